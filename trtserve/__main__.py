@@ -1,0 +1,5 @@
+import sys
+
+from trtserve.cli import main
+
+sys.exit(main())

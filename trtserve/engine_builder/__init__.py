@@ -1,0 +1,1 @@
+"""Export, build and package engines: torch -> ONNX -> backend artifact + manifest."""

@@ -1,0 +1,94 @@
+"""The engine directory: manifest.json plus model files, verified on load.
+
+Every file the manifest lists carries its size and sha256; loading checks them before any
+backend sees a byte, so a missing, truncated or swapped file is a clear error with the
+command that rebuilds the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtserve.errors import EngineDirError
+from trtserve.fileio import sha256_file
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    path: Path
+    manifest: dict
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["model"]["kind"]
+
+    @property
+    def rebuild(self) -> str:
+        return self.manifest.get("build_command") or f"trtserve build-engine MODEL --out {self.path}"
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def shape_range(self, axis: str) -> dict:
+        return self.manifest["shapes"][axis]
+
+
+def file_entry(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    manifest = dict(manifest, schema_version=SCHEMA_VERSION)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def read_manifest(path: Path) -> dict:
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise EngineDirError(f"{path} is not an engine directory: build one with `trtserve build-engine MODEL --out {path}`")
+    if not manifest_path.is_file():
+        raise EngineDirError(
+            f"{path} has no {MANIFEST}: it is not a complete engine; rebuild it with "
+            f"`trtserve build-engine MODEL --out {path}`"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineDirError(
+            f"{manifest_path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}): rebuild the engine with "
+            f"`trtserve build-engine MODEL --out {path}`"
+        ) from None
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise EngineDirError(
+            f"{manifest_path} has schema version {version}, this trtserve reads {SCHEMA_VERSION}: rebuild with "
+            f"`{manifest.get('build_command') or 'trtserve build-engine MODEL --out ' + str(path)}`"
+        )
+    return manifest
+
+
+def open_engine_dir(path: str | Path, verify: bool = True) -> EngineDir:
+    """Read and (by default) verify an engine dir; raise EngineDirError naming the fix."""
+    path = Path(path)
+    engine = EngineDir(path=path, manifest=read_manifest(path))
+    if verify:
+        for name, entry in engine.manifest["files"].items():
+            _verify_file(engine, name, entry)
+    return engine
+
+
+def _verify_file(engine: EngineDir, name: str, entry: dict) -> None:
+    path = engine.file(name)
+    fix = f"rebuild the engine with `{engine.rebuild}`"
+    if not path.is_file():
+        raise EngineDirError(f"{path} is missing from the engine directory: {fix}")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise EngineDirError(f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or replaced): {fix}")
+    if sha256_file(path) != entry["sha256"]:
+        raise EngineDirError(f"{path} does not match the sha256 in the manifest (corrupt or replaced): {fix}")

@@ -1,0 +1,111 @@
+"""torch -> ONNX with the dynamo exporter (opset 20), dynamic batch, sequence and past length."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from trtserve.models.sources import ModelSource
+from trtserve.models.wrappers import (
+    ENCODER_OUTPUTS,
+    DecoderGraph,
+    EncoderGraph,
+    decoder_input_names,
+    decoder_output_names,
+    encoder_input_names,
+)
+
+OPSET = 20
+# Symbolic dims get readable names in the exported graph (the exporter names them s0, s1, ...).
+DIM_NAMES = {"input_ids": ("batch", "sequence"), "attention_mask": ("batch", "total_sequence")}
+
+
+def uses_token_types(source: ModelSource) -> bool:
+    return int(source.config.get("type_vocab_size") or 0) > 0
+
+
+def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[str]]:
+    """Write `out` (one self-contained .onnx file); return (input names, output names)."""
+    import torch
+
+    if source.info.kind == "encoder":
+        module, args, names, outputs, shapes = _encoder_spec(source, model)
+    else:
+        module, args, names, outputs, shapes = _decoder_spec(source, model)
+    with torch.no_grad():
+        torch.onnx.export(
+            module,
+            args,
+            str(out),
+            dynamo=True,
+            opset_version=OPSET,
+            input_names=names,
+            output_names=list(outputs),
+            dynamic_shapes=shapes,
+            external_data=False,
+            verbose=False,
+        )
+    _rename_dims(out, past_dims=source.info.kind == "decoder")
+    return names, list(outputs)
+
+
+def _encoder_spec(source: ModelSource, model):
+    import torch
+    from torch.export import Dim
+
+    names = encoder_input_names(uses_token_types(source))
+    batch, seq = 2, 8
+    args = [torch.randint(0, 100, (batch, seq)), torch.ones(batch, seq, dtype=torch.int64)]
+    if len(names) == 3:
+        args.append(torch.zeros(batch, seq, dtype=torch.int64))
+    dims = {0: Dim.AUTO, 1: Dim.AUTO}
+    shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
+    return EncoderGraph(model), tuple(args), names, ENCODER_OUTPUTS, shapes
+
+
+def _decoder_spec(source: ModelSource, model):
+    import torch
+    from torch.export import Dim
+
+    info = source.info
+    # Trace with past > 0 so nothing specialises on an empty cache.
+    batch, seq, past = 2, 3, 4
+    args = [
+        torch.randint(0, 100, (batch, seq)),
+        torch.ones(batch, past + seq, dtype=torch.int64),
+        torch.arange(past, past + seq)[None].repeat(batch, 1),
+    ]
+    args += [torch.zeros(batch, info.num_kv_heads, past, info.head_dim) for _ in range(2 * info.num_layers)]
+    auto = {0: Dim.AUTO, 1: Dim.AUTO}
+    shapes = {
+        "input_ids": auto,
+        "attention_mask": auto,
+        "position_ids": auto,
+        # varargs count as one argument: the per-layer shapes are nested in one tuple
+        "past": tuple({0: Dim.AUTO, 2: Dim.AUTO} for _ in range(2 * info.num_layers)),
+    }
+    names = decoder_input_names(info.num_layers)
+    return DecoderGraph(model), tuple(args), names, decoder_output_names(info.num_layers), shapes
+
+
+def _rename_dims(path: Path, past_dims: bool) -> None:
+    import onnx
+
+    model = onnx.load(str(path))
+    mapping: dict[str, str] = {}
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        wanted = DIM_NAMES.get(value.name)
+        if wanted is None and past_dims and value.name.startswith("past_key_values."):
+            wanted = ("batch", None, "past_sequence", None)
+        if wanted is None and value.name in ("position_ids", "token_type_ids"):
+            wanted = ("batch", "sequence")
+        for dim, name in zip(dims, wanted or ()):
+            if name and dim.dim_param:
+                mapping.setdefault(dim.dim_param, name)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(mapping, key=len, reverse=True))) + r")\b")
+    for value in list(model.graph.input) + list(model.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = pattern.sub(lambda m: mapping[m.group(1)], dim.dim_param)
+    onnx.save(model, str(path))

@@ -1,0 +1,40 @@
+"""Human-readable form of a manifest for `trtserve info`."""
+
+from __future__ import annotations
+
+from trtserve.engine_builder.artifact import EngineDir
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def describe_manifest(engine: EngineDir) -> str:
+    from trtserve.engine_builder.build import summary
+
+    m = engine.manifest
+    model, backend, arch = m["model"], m["backend"], m["model"]["architecture"]
+    lines = [
+        f"engine      {engine.path}",
+        f"model       {model['id']} ({model['family']} {model['kind']}, {arch['num_layers']} layers, "
+        f"hidden {arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
+        f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
+        f"precision   {m['precision']['policy']}",
+        f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})",
+        f"onnx        {m['onnx']['file']} opset {m['onnx']['opset']} (sha256 {m['onnx']['sha256'][:16]}...)",
+        "shapes      " + ", ".join(f"{axis} {r['min']}..{r['max']} (opt {r['opt']})" for axis, r in m["shapes"].items()),
+        "inputs      " + ", ".join(_io(spec) for spec in m["io"]["inputs"][:4])
+        + (f", ... ({len(m['io']['inputs'])} in all)" if len(m["io"]["inputs"]) > 4 else ""),
+        "outputs     " + ", ".join(_io(spec) for spec in m["io"]["outputs"][:3])
+        + (f", ... ({len(m['io']['outputs'])} in all)" if len(m["io"]["outputs"]) > 3 else ""),
+        f"parity      {'passed' if m['parity']['passed'] else 'FAILED'}: {summary(m['parity'])}",
+        "files       " + ", ".join(f"{name} {_mb(entry['size'])}" for name, entry in m["files"].items()),
+        f"built       {m['created']} in {m.get('build_seconds', '?')}s with "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+        f"rebuild     {m['build_command']}",
+    ]
+    return "\n".join(lines)
+
+
+def _io(spec: dict) -> str:
+    return f"{spec['name']} {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"

@@ -1,0 +1,1 @@
+"""Evaluation: real-text data, configuration grids, reports."""

@@ -1,0 +1,69 @@
+"""Hashing and atomic directory writes shared by model caches and engine dirs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from trtserve.errors import TrtServeError
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_files(paths: list[Path], root: Path) -> str:
+    """One hash over several files, keyed by their names relative to root."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(sha256_file(path).encode())
+    return digest.hexdigest()
+
+
+def check_writable_target(out: Path) -> None:
+    """Fail early, before any expensive work, if `out` cannot become a directory."""
+    if out.exists() and not out.is_dir():
+        raise TrtServeError(f"--out {out} is an existing file, not a directory: choose another path or remove the file")
+    parent = out.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".{out.name}.probe-{uuid.uuid4().hex[:8]}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise TrtServeError(
+            f"cannot write into {parent} ({exc.strerror or exc}): choose an --out in a writable directory "
+            "or fix its permissions"
+        ) from None
+
+
+@contextmanager
+def atomic_dir(final: Path):
+    """Yield a temp dir beside `final`; on success it replaces `final`, on any failure it is removed.
+
+    The previous contents of `final` stay intact until the new directory is complete.
+    """
+    final = final.absolute()
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

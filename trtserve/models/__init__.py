@@ -1,0 +1,1 @@
+"""Model sources (local checkpoints, bundled models) and family detection."""

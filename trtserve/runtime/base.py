@@ -1,0 +1,82 @@
+"""The Backend protocol and the feed checks every backend shares."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from trtserve.errors import InputError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "int64", "float32", ...
+    shape: tuple  # ints for fixed axes, names ("batch", "sequence", ...) for dynamic ones
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "TensorSpec":
+        return cls(entry["name"], entry["dtype"], tuple(entry["shape"]))
+
+
+class Backend(Protocol):
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def io_specs(manifest: dict) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    io = manifest["io"]
+    return tuple(map(TensorSpec.from_json, io["inputs"])), tuple(map(TensorSpec.from_json, io["outputs"]))
+
+
+def check_feeds(feeds: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...], ranges: dict) -> dict[str, int]:
+    """Check names, dtypes, ranks and axis ranges; return the value bound to each named axis."""
+    expected = {spec.name for spec in specs}
+    missing, extra = expected - set(feeds), set(feeds) - expected
+    if missing or extra:
+        raise InputError(f"feeds do not match the engine inputs: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    bound: dict[str, int] = {}
+    for spec in specs:
+        array = feeds[spec.name]
+        if array.dtype != np.dtype(spec.dtype):
+            raise InputError(f"input {spec.name} has dtype {array.dtype}, the engine expects {spec.dtype}")
+        if array.ndim != len(spec.shape):
+            raise InputError(f"input {spec.name} has shape {array.shape}, the engine expects rank {len(spec.shape)}")
+        for size, axis in zip(array.shape, spec.shape):
+            _bind_axis(spec.name, axis, size, bound, ranges)
+    if {"total_sequence", "past_sequence", "sequence"} <= bound.keys():
+        if bound["total_sequence"] != bound["past_sequence"] + bound["sequence"]:
+            raise InputError(
+                f"attention_mask covers {bound['total_sequence']} positions but past ({bound['past_sequence']}) + "
+                f"new tokens ({bound['sequence']}) = {bound['past_sequence'] + bound['sequence']}"
+            )
+    return bound
+
+
+def _bind_axis(name: str, axis, size: int, bound: dict, ranges: dict) -> None:
+    if isinstance(axis, int):
+        if size != axis:
+            raise InputError(f"input {name} has size {size} on an axis fixed at {axis}")
+        return
+    if axis in bound and bound[axis] != size:
+        raise InputError(f"axis {axis} is {bound[axis]} in one input and {size} in {name}")
+    bound[axis] = size
+    limits = ranges.get(axis)
+    if limits and not limits["min"] <= size <= limits["max"]:
+        raise InputError(
+            f"input {name}: {axis}={size} is outside the engine's range [{limits['min']}, {limits['max']}]; "
+            f"rebuild with a larger --max-{'batch' if axis == 'batch' else 'seq'} to allow it"
+        )

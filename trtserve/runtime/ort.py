@@ -1,0 +1,56 @@
+"""ONNX Runtime backend: the embedded CPU default."""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Mapping
+
+import numpy as np
+
+from trtserve.engine_builder.artifact import EngineDir
+from trtserve.runtime.base import available_cores, check_feeds, io_specs
+
+log = logging.getLogger(__name__)
+
+
+class OrtBackend:
+    name = "onnxruntime"
+
+    def __init__(self, engine: EngineDir, threads: int | None = None):
+        import onnxruntime as ort
+
+        self.engine = engine
+        self.inputs, self.outputs = io_specs(engine.manifest)
+        self.ranges = engine.manifest["shapes"]
+        entry = engine.manifest["backend"]
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or available_cores()
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        graph = engine.file(entry.get("graph", "model.onnx"))
+        same_build = (entry.get("onnxruntime_version"), entry.get("machine")) == (ort.__version__, platform.machine())
+        if entry.get("name") == "onnxruntime" and same_build:
+            # Already optimized at build time by this ORT version: skip the work at load.
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        else:
+            # ORT's offline-optimized graphs are tied to the version and CPU that wrote them; the
+            # portable graph is optimized at load instead.
+            log.warning(
+                "engine %s was optimized by onnxruntime %s on %s, this is %s on %s: optimizing the portable "
+                "graph at load (rebuild with `%s` to skip this)",
+                engine.path, entry.get("onnxruntime_version"), entry.get("machine"), ort.__version__,
+                platform.machine(), engine.rebuild,
+            )
+            graph = engine.file(engine.manifest["onnx"]["file"])
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        self._output_names = [spec.name for spec in self.outputs]
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        check_feeds(feeds, self.inputs, self.ranges)
+        values = self.session.run(self._output_names, dict(feeds))
+        return dict(zip(self._output_names, values))
+
+    def close(self) -> None:
+        self.session = None

@@ -1,0 +1,43 @@
+"""torch fp32 reference backend: the same graph module that was exported, run eagerly.
+
+It takes the same feeds as every other backend, so it is the baseline for speed and fidelity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from trtserve.engine_builder.artifact import EngineDir
+from trtserve.runtime.base import available_cores, check_feeds, io_specs
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, engine: EngineDir, threads: int | None = None):
+        import torch
+
+        from trtserve.models.loading import load_torch_model
+        from trtserve.models.sources import resolve
+        from trtserve.models.wrappers import DecoderGraph, EncoderGraph
+
+        torch.set_num_threads(threads or available_cores())
+        self.engine = engine
+        self.inputs, self.outputs = io_specs(engine.manifest)
+        self.ranges = engine.manifest["shapes"]
+        source = resolve(engine.manifest["model"]["source"])
+        model = load_torch_model(source)
+        self.module = DecoderGraph(model) if source.info.kind == "decoder" else EncoderGraph(model)
+        self._torch = torch
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        check_feeds(feeds, self.inputs, self.ranges)
+        args = [self._torch.from_numpy(np.ascontiguousarray(feeds[spec.name])) for spec in self.inputs]
+        with self._torch.inference_mode():
+            values = self.module(*args)
+        return {spec.name: value.numpy() for spec, value in zip(self.outputs, values)}
+
+    def close(self) -> None:
+        self.module = None
