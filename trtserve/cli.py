@@ -1,4 +1,4 @@
-"""`trtserve` command line: build-engine, info. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, run. Every flag maps to one config field."""
 
 from __future__ import annotations
 
@@ -49,6 +49,40 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from trtserve.runtime import load_backend
+    from trtserve.runtime.text import TextEngine
+
+    backend = load_backend(args.engine_dir, args.backend)
+    engine = TextEngine(backend)
+    texts = args.text or [_default_text(backend.engine.kind)]
+    if backend.engine.kind == "decoder":
+        for text in texts:
+            print(f"{text}{engine.complete(text, args.max_new_tokens)}")
+    else:
+        vectors = engine.embed(texts)
+        print(f"embeddings: {vectors.shape[0]} x {vectors.shape[1]} (normalised)")
+        for i, text in enumerate(texts):
+            print(f"[{i}] {text[:70]}")
+        if len(texts) > 1:
+            print("cosine similarity:")
+            for row in vectors @ vectors.T:
+                print("  " + " ".join(f"{value:6.3f}" for value in row))
+    from trtserve.engine_builder.build import summary
+
+    parity = backend.engine.manifest["parity"]
+    print(f"parity vs torch fp32 at build ({'passed' if parity['passed'] else 'FAILED'}): {summary(parity)}")
+    backend.close()
+    return 0
+
+
+def _default_text(kind: str) -> str:
+    from trtserve.eval.data import wiki_paragraphs
+
+    first = wiki_paragraphs()[0]
+    return " ".join(first.split()[:40]) if kind == "decoder" else first
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtserve", description="Build and serve Transformer inference engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +92,13 @@ def make_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the raw manifest")
     info.add_argument("--no-verify", action="store_true", help="skip checking file sizes and hashes")
     info.set_defaults(func=_cmd_info)
+    run = sub.add_parser("run", help="run an engine on text: embeddings for encoders, greedy text for decoders")
+    run.add_argument("engine_dir", type=Path)
+    run.add_argument("--text", action="append", help="input text (repeat for several); default: a Wikipedia paragraph")
+    run.add_argument("--max-new-tokens", type=int, default=32, help="decoders: tokens to generate (default 32)")
+    run.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch"],
+                     help="runtime backend (torch: the fp32 reference)")
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

@@ -31,10 +31,12 @@ def sha256_files(paths: list[Path], root: Path) -> str:
 
 def check_writable_target(out: Path) -> None:
     """Fail early, before any expensive work, if `out` cannot become a directory."""
-    if out.exists() and not out.is_dir():
-        raise TrtServeError(f"--out {out} is an existing file, not a directory: choose another path or remove the file")
     parent = out.absolute().parent
     try:
+        if out.exists() and not out.is_dir():
+            raise TrtServeError(
+                f"--out {out} is an existing file, not a directory: choose another path or remove the file"
+            )
         parent.mkdir(parents=True, exist_ok=True)
         probe = parent / f".{out.name}.probe-{uuid.uuid4().hex[:8]}"
         probe.mkdir()

@@ -8,8 +8,8 @@ from pathlib import Path
 from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
-    DecoderGraph,
-    EncoderGraph,
+    decoder_graph,
+    encoder_graph,
     decoder_input_names,
     decoder_output_names,
     encoder_input_names,
@@ -60,7 +60,7 @@ def _encoder_spec(source: ModelSource, model):
         args.append(torch.zeros(batch, seq, dtype=torch.int64))
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
     shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
-    return EncoderGraph(model), tuple(args), names, ENCODER_OUTPUTS, shapes
+    return encoder_graph(model), tuple(args), names, ENCODER_OUTPUTS, shapes
 
 
 def _decoder_spec(source: ModelSource, model):
@@ -85,7 +85,7 @@ def _decoder_spec(source: ModelSource, model):
         "past": tuple({0: Dim.AUTO, 2: Dim.AUTO} for _ in range(2 * info.num_layers)),
     }
     names = decoder_input_names(info.num_layers)
-    return DecoderGraph(model), tuple(args), names, decoder_output_names(info.num_layers), shapes
+    return decoder_graph(model), tuple(args), names, decoder_output_names(info.num_layers), shapes
 
 
 def _rename_dims(path: Path, past_dims: bool) -> None:

@@ -7,14 +7,15 @@ bypassed by passing a finished 4D additive mask with a finite minimum.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from functools import lru_cache
 
 ENCODER_OUTPUTS = ("last_hidden_state", "sentence_embedding")
 
 
-def additive_mask(allowed: torch.Tensor) -> torch.Tensor:
+def additive_mask(allowed):
     """bool (B, 1, S, T) -> float32 additive mask: 0 where allowed, finite minimum elsewhere."""
+    import torch
+
     zero = torch.zeros((), dtype=torch.float32)
     return torch.where(allowed, zero, torch.finfo(torch.float32).min)
 
@@ -38,53 +39,69 @@ def decoder_output_names(num_layers: int) -> list[str]:
     return names
 
 
-class EncoderGraph(nn.Module):
-    """(input_ids, attention_mask[, token_type_ids]) -> (last_hidden_state, mean-pooled embedding)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, token_type_ids=None):
-        keep = attention_mask.bool()  # (B, S)
-        mask4d = additive_mask(keep[:, None, None, :])  # (B, 1, 1, S)
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=mask4d, token_type_ids=token_type_ids
-        ).last_hidden_state  # (B, S, H)
-        weights = keep.to(hidden.dtype)[:, :, None]  # (B, S, 1)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)  # (B, H)
-        return hidden, pooled
+def encoder_graph(model):
+    return _classes()[0](model)
 
 
-class DecoderGraph(nn.Module):
-    """One graph for prefill and decode: past length P may be 0.
+def decoder_graph(model):
+    return _classes()[1](model)
 
-    inputs: input_ids (B, S), attention_mask (B, P+S), position_ids (B, S), per layer past key and
-    value (B, Hkv, P, D). outputs: logits (B, S, V), per layer present key and value (B, Hkv, P+S, D).
-    """
 
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
+@lru_cache(maxsize=1)
+def _classes():
+    """torch is imported only when a graph module is made: the package imports without it."""
+    import torch
+    from torch import nn
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        from transformers import DynamicCache
+    class EncoderGraph(nn.Module):
+        """(input_ids, attention_mask[, token_type_ids]) -> (last_hidden_state, mean-pooled embedding)."""
 
-        seq = input_ids.shape[1]
-        total = attention_mask.shape[1]
-        q_pos = torch.arange(seq, device=input_ids.device) + (total - seq)  # (S,)
-        k_pos = torch.arange(total, device=input_ids.device)  # (T,)
-        causal = k_pos[None, :] <= q_pos[:, None]  # (S, T)
-        allowed = causal[None, None, :, :] & attention_mask.bool()[:, None, None, :]  # (B, 1, S, T)
-        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=additive_mask(allowed),
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-        )
-        presents = []
-        for layer in out.cache.layers:
-            presents += [layer.keys, layer.values]
-        return (out.logits, *presents)
+        def __init__(self, model: nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            keep = attention_mask.bool()  # (B, S)
+            mask4d = additive_mask(keep[:, None, None, :])  # (B, 1, 1, S)
+            hidden = self.model(
+                input_ids=input_ids, attention_mask=mask4d, token_type_ids=token_type_ids
+            ).last_hidden_state  # (B, S, H)
+            weights = keep.to(hidden.dtype)[:, :, None]  # (B, S, 1)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)  # (B, H)
+            return hidden, pooled
+
+
+    class DecoderGraph(nn.Module):
+        """One graph for prefill and decode: past length P may be 0.
+
+        inputs: input_ids (B, S), attention_mask (B, P+S), position_ids (B, S), per layer past key and
+        value (B, Hkv, P, D). outputs: logits (B, S, V), per layer present key and value (B, Hkv, P+S, D).
+        """
+
+        def __init__(self, model: nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            from transformers import DynamicCache
+
+            seq = input_ids.shape[1]
+            total = attention_mask.shape[1]
+            q_pos = torch.arange(seq, device=input_ids.device) + (total - seq)  # (S,)
+            k_pos = torch.arange(total, device=input_ids.device)  # (T,)
+            causal = k_pos[None, :] <= q_pos[:, None]  # (S, T)
+            allowed = causal[None, None, :, :] & attention_mask.bool()[:, None, None, :]  # (B, 1, S, T)
+            cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=additive_mask(allowed),
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            presents = []
+            for layer in out.cache.layers:
+                presents += [layer.keys, layer.values]
+            return (out.logits, *presents)
+
+    return EncoderGraph, DecoderGraph

@@ -21,7 +21,7 @@ class TorchBackend:
 
         from trtserve.models.loading import load_torch_model
         from trtserve.models.sources import resolve
-        from trtserve.models.wrappers import DecoderGraph, EncoderGraph
+        from trtserve.models.wrappers import decoder_graph, encoder_graph
 
         torch.set_num_threads(threads or available_cores())
         self.engine = engine
@@ -29,7 +29,7 @@ class TorchBackend:
         self.ranges = engine.manifest["shapes"]
         source = resolve(engine.manifest["model"]["source"])
         model = load_torch_model(source)
-        self.module = DecoderGraph(model) if source.info.kind == "decoder" else EncoderGraph(model)
+        self.module = decoder_graph(model) if source.info.kind == "decoder" else encoder_graph(model)
         self._torch = torch
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

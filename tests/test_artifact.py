@@ -1,0 +1,74 @@
+"""Engine dir: atomic writes and verification on load."""
+
+import json
+
+import pytest
+
+from trtserve.engine_builder import artifact
+from trtserve.errors import EngineDirError
+from trtserve.fileio import atomic_dir
+
+
+def make_engine(path, payload=b"graph bytes"):
+    path.mkdir()
+    (path / "model.onnx").write_bytes(payload)
+    manifest = {"build_command": f"trtserve build-engine M --out {path}",
+                "files": {"model.onnx": artifact.file_entry(path / "model.onnx")}}
+    artifact.write_manifest(path, manifest)
+    return path
+
+
+def test_verified_engine_opens(tmp_path):
+    engine = artifact.open_engine_dir(make_engine(tmp_path / "e"))
+    assert engine.manifest["schema_version"] == artifact.SCHEMA_VERSION
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: (p / "model.onnx").unlink(), "model.onnx is missing from the engine directory"),
+        (lambda p: (p / "model.onnx").write_bytes(b"graph"), r"has 5 bytes, the manifest says 11 \(truncated"),
+        (lambda p: (p / "model.onnx").write_bytes(b"GRAPH BYTES"), "does not match the sha256"),
+        (lambda p: (p / "manifest.json").unlink(), "has no manifest.json"),
+        (lambda p: (p / "manifest.json").write_text("{"), "manifest.json is not valid JSON"),
+    ],
+)
+def test_damage_is_a_clear_error_with_the_rebuild_command(tmp_path, damage, message):
+    path = make_engine(tmp_path / "e")
+    damage(path)
+    with pytest.raises(EngineDirError, match=message) as info:
+        artifact.open_engine_dir(path)
+    assert "trtserve build-engine" in str(info.value)
+
+
+def test_schema_mismatch_names_the_versions(tmp_path):
+    path = make_engine(tmp_path / "e")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineDirError, match="schema version 99, this trtserve reads 1"):
+        artifact.open_engine_dir(path)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(EngineDirError, match="is not an engine directory"):
+        artifact.open_engine_dir(tmp_path / "nothing")
+
+
+def test_failed_write_keeps_the_previous_directory(tmp_path):
+    target = make_engine(tmp_path / "e")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target) as tmp:
+            (tmp / "model.onnx").write_bytes(b"half written")
+            raise RuntimeError("build interrupted")
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]  # no temp dir left behind
+
+
+def test_successful_write_replaces_the_directory(tmp_path):
+    target = make_engine(tmp_path / "e")
+    with atomic_dir(target) as tmp:
+        (tmp / "new").write_text("x")
+    assert [p.name for p in target.iterdir()] == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]

@@ -1,0 +1,99 @@
+"""Bad input to build-engine: one clear line, exit code 2, no partial engine dir."""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.test_sources import copy_checkpoint
+
+
+def assert_clean_failure(result, out_parent, message):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    leftovers = [p.name for p in out_parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == [], leftovers
+
+
+def test_nonexistent_model_path(tmp_path):
+    result = run_cli("build-engine", str(tmp_path / "missing"), "--out", str(tmp_path / "out"))
+    assert_clean_failure(result, tmp_path, "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_cli("build-engine", str(tmp_path / "empty"), "--out", str(tmp_path / "out"))
+    assert_clean_failure(result, tmp_path, "has no config.json")
+
+
+def test_corrupt_safetensors(minilm_dir, tmp_path):
+    bad = copy_checkpoint(minilm_dir, tmp_path / "m")
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = run_cli("build-engine", str(bad), "--out", str(tmp_path / "out"))
+    assert_clean_failure(result, tmp_path, "corrupt or truncated")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_tokenizer(minilm_dir, tmp_path):
+    bad = copy_checkpoint(minilm_dir, tmp_path / "m", skip=("tokenizer.json", "vocab.txt"))
+    result = run_cli("build-engine", str(bad), "--out", str(tmp_path / "out"))
+    assert_clean_failure(result, tmp_path, "has no tokenizer")
+
+
+def test_max_seq_above_position_limit(minilm_dir, tmp_path):
+    result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(tmp_path / "out"), "--max-seq", "4096")
+    assert_clean_failure(result, tmp_path, "--max-seq 4096 is above all-MiniLM-L6-v2's position limit")
+    assert "use --max-seq 512 or less" in result.stderr
+
+
+def test_out_is_a_file(tmp_path):
+    (tmp_path / "out").write_text("not a dir")
+    result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(tmp_path / "out"))
+    assert_clean_failure(result, tmp_path, "is an existing file, not a directory")
+    assert (tmp_path / "out").read_text() == "not a dir"
+
+
+def test_no_write_permission(tmp_path, request):
+    if os.geteuid() == 0:
+        # root ignores permission bits: run the CLI as an unprivileged user, in a directory it can
+        # reach (pytest's own temp root is private to root)
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv (util-linux) to drop privileges")
+        base = Path(tempfile.mkdtemp(prefix="trtserve-perm-"))
+        base.chmod(0o755)
+        request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+        locked = base / "locked"
+        locked.mkdir(mode=0o555)
+        locked.chmod(0o555)
+        result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(locked / "out"), user="65534")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(locked / "out"))
+    assert_clean_failure(result, locked, "cannot write into")
+    assert "Permission denied" in result.stderr
+    assert not (locked / "out").exists()
+
+
+def test_info_on_a_missing_engine(tmp_path):
+    result = run_cli("info", str(tmp_path / "none"))
+    assert_clean_failure(result, tmp_path, "is not an engine directory")
+
+
+def test_info_on_a_damaged_engine(tmp_path):
+    engine = tmp_path / "e"
+    engine.mkdir()
+    (engine / "manifest.json").write_text(json.dumps({"schema_version": 1, "files": {"model.onnx": {"size": 1, "sha256": "0"}},
+                                                      "build_command": "trtserve build-engine X --out e"}))
+    result = run_cli("info", str(engine))
+    assert_clean_failure(result, engine, "model.onnx is missing")
+    assert "trtserve build-engine X --out e" in result.stderr

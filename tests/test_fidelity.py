@@ -1,0 +1,41 @@
+import numpy as np
+
+from trtserve.precision.fidelity import compare, cosine, nonfinite_count, perplexity, top1_agreement, worst_row_cosine
+
+
+def test_identical_arrays_are_perfect():
+    x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype(np.float32)
+    metrics = compare(x, x.copy())
+    assert metrics["max_abs_error"] == 0.0 and metrics["nonfinite"] == 0
+    assert abs(metrics["cosine"] - 1) < 1e-12 and abs(metrics["worst_row_cosine"] - 1) < 1e-12
+
+
+def test_worst_row_cosine_finds_the_one_bad_row():
+    ref = np.ones((4, 3))
+    out = ref.copy()
+    out[2] = [1, -1, 0]
+    assert worst_row_cosine(ref, out) == 0.0
+    assert abs(cosine(ref, out) - 9 / np.sqrt(12 * 11)) < 1e-12  # the flattened cosine hides it
+
+
+def test_uniform_logits_have_perplexity_equal_to_vocab_size():
+    logits = np.zeros((2, 6, 50))
+    ids = np.arange(12).reshape(2, 6)
+    assert abs(perplexity(logits, ids, np.ones_like(ids)) - 50) < 1e-9
+
+
+def test_perplexity_ignores_padded_positions():
+    rng = np.random.default_rng(1)
+    logits, ids = rng.normal(size=(1, 8, 20)), rng.integers(0, 20, (1, 8))
+    mask = np.ones_like(ids)
+    padded_logits = np.concatenate([rng.normal(size=(1, 3, 20)), logits], 1)
+    padded_ids = np.concatenate([np.zeros((1, 3), int), ids], 1)
+    padded_mask = np.concatenate([np.zeros((1, 3), int), mask], 1)
+    assert abs(perplexity(logits, ids, mask) - perplexity(padded_logits, padded_ids, padded_mask)) < 1e-12
+
+
+def test_top1_agreement_and_nonfinite_count():
+    a = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
+    b = np.array([[0.0, 1.0], [0.1, 0.9], [0.2, 0.8]])
+    assert top1_agreement(a, b) == 2 / 3
+    assert nonfinite_count(np.array([1.0, np.nan, np.inf, -np.inf])) == 3
