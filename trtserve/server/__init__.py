@@ -1,0 +1,1 @@
+"""HTTP serving (OpenAI-compatible): not part of this version yet."""
