@@ -1,4 +1,4 @@
-"""`trtserve` command line: build-engine, info, run. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, run. Every flag maps to one config field."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", help="Hugging Face checkpoint directory, or a bundled model: "
                         "all-MiniLM-L6-v2, SmolLM2-135M-Instruct")
     parser.add_argument("--out", required=True, type=Path, help="engine directory to write (replaced atomically)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32"], help="precision policy (default fp32)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "hybrid"],
+                        help="precision policy written into the graph: fp32 (default); fp16 (every op that "
+                        "can be); hybrid (fp16 GEMMs, fp32 softmax/norms/reductions/rotary/mask)")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="text file to measure fidelity on (default: bundled Wikipedia sample)")
+    parser.add_argument("--fidelity-target", default="",
+                        help="override targets, e.g. cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005")
+    parser.add_argument("--allow-low-fidelity", action="store_true",
+                        help="write the engine even if it misses the fidelity target")
     parser.add_argument("--backend", default="auto", choices=["auto", "onnxruntime"],
                         help="engine backend; auto says which it picked and why")
     parser.add_argument("--max-batch", type=int, default=32, help="largest batch the engine accepts (default 32)")
@@ -27,17 +35,24 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from trtserve.engine_builder.build import BuildConfig, build_engine, summary
+    from trtserve.engine_builder.build import BuildConfig, build_engine
+    from trtserve.precision.run import summary
     from trtserve.progress import set_quiet
 
     set_quiet(args.quiet)
+    from trtserve.precision.measure import Target
+
+    try:
+        target = Target.parse(args.fidelity_target) if args.fidelity_target else None
+    except (ValueError, TypeError) as exc:
+        raise TrtServeError(f"--fidelity-target {args.fidelity_target!r}: {exc}") from None
     cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
-                      max_batch=args.max_batch, max_seq=args.max_seq)
+                      max_batch=args.max_batch, max_seq=args.max_seq, calibration=args.calibration,
+                      fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity)
     engine = build_engine(cfg)
-    parity = engine.manifest["parity"]
     print(f"engine written to {engine.path}")
-    print(f"parity vs torch fp32 ({'passed' if parity['passed'] else 'FAILED'}): {summary(parity)}")
-    return 0 if parity["passed"] else 1
+    print(f"fidelity vs torch fp32 ({engine.manifest['precision']['policy']}): {summary(engine.manifest['fidelity'])}")
+    return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -47,6 +62,22 @@ def _cmd_info(args: argparse.Namespace) -> int:
     engine = open_engine_dir(args.engine_dir, verify=not args.no_verify)
     print(json.dumps(engine.manifest, indent=2) if args.json else describe_manifest(engine))
     return 0
+
+
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from trtserve.engine_builder.artifact import open_engine_dir
+    from trtserve.precision.run import remeasure, summary
+
+    if args.text is not None and not args.text.is_file():
+        raise TrtServeError(f"--text {args.text} is not a readable file: give a UTF-8 text file")
+    engine = open_engine_dir(args.engine_dir)
+    report = remeasure(engine, args.text)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    print(f"fidelity of {engine.path} ({engine.manifest['precision']['policy']}) vs torch fp32: {summary(report)}")
+    for failure in report["failures"]:
+        print(f"  miss: {failure}")
+    return 0 if report["passed"] else 1
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -68,10 +99,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print("cosine similarity:")
             for row in vectors @ vectors.T:
                 print("  " + " ".join(f"{value:6.3f}" for value in row))
-    from trtserve.engine_builder.build import summary
+    from trtserve.precision.run import summary
 
-    parity = backend.engine.manifest["parity"]
-    print(f"parity vs torch fp32 at build ({'passed' if parity['passed'] else 'FAILED'}): {summary(parity)}")
+    print(f"fidelity vs torch fp32 at build ({backend.engine.manifest['precision']['policy']}): "
+          f"{summary(backend.engine.manifest['fidelity'])}")
     backend.close()
     return 0
 
@@ -92,6 +123,11 @@ def make_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the raw manifest")
     info.add_argument("--no-verify", action="store_true", help="skip checking file sizes and hashes")
     info.set_defaults(func=_cmd_info)
+    fid = sub.add_parser("fidelity", help="measure an engine against torch fp32 again, on any text")
+    fid.add_argument("engine_dir", type=Path)
+    fid.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: bundled Wikipedia sample)")
+    fid.add_argument("--json", action="store_true", help="also print the full report as JSON")
+    fid.set_defaults(func=_cmd_fidelity)
     run = sub.add_parser("run", help="run an engine on text: embeddings for encoders, greedy text for decoders")
     run.add_argument("engine_dir", type=Path)
     run.add_argument("--text", action="append", help="input text (repeat for several); default: a Wikipedia paragraph")

@@ -13,7 +13,8 @@ from trtserve.engine_builder import artifact
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, check_writable_target, sha256_file
 from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, cache_root, resolve
-from trtserve.precision.policy import POLICIES, describe
+from trtserve.precision.measure import Target
+from trtserve.precision.policy import POLICIES, get_policy
 from trtserve.progress import say, step
 
 ONNX_FILE = "model.onnx"
@@ -30,11 +31,16 @@ class BuildConfig:
     backend: str = "auto"
     max_batch: int = 32
     max_seq: int | None = None  # None: the model's position limit, capped at DEFAULT_MAX_SEQ
+    calibration: Path | None = None  # text file for fidelity; None: the bundled Wikipedia sample
+    fidelity_target: Target | None = None  # None: Target.parity() for fp32, Target() otherwise
+    allow_low_fidelity: bool = False
 
 
 def build_engine(cfg: BuildConfig) -> artifact.EngineDir:
     if cfg.precision not in POLICIES:
         raise TrtServeError(f"--precision {cfg.precision} is not available; choose one of {', '.join(POLICIES)}")
+    if cfg.calibration is not None and not Path(cfg.calibration).is_file():
+        raise TrtServeError(f"--calibration {cfg.calibration} is not a readable file: give a UTF-8 text file")
     if cfg.max_batch < 1:
         raise TrtServeError(f"--max-batch must be at least 1, got {cfg.max_batch}")
     check_writable_target(cfg.out)
@@ -74,7 +80,9 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
 
     onnx_path = tmp / ONNX_FILE
     source_hash = source.source_hash()
-    _export_cached(source, source_hash, onnx_path)
+    fp32_graph = _export_cached(source, source_hash)
+    policy = get_policy(cfg.precision)
+    graph_report = _apply_precision(fp32_graph, policy, onnx_path)
     _copy_tokenizer_files(source, tmp)
     with step("optimizing the graph with ONNX Runtime"):
         backend_entry = build_ort(onnx_path, tmp)
@@ -90,20 +98,54 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
             "architecture": vars(source.info),
         },
         "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
-                 "exporter": "torch.onnx.export(dynamo=True)"},
+                 "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
         "io": _io_from_graph(onnx_path),
         "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
-        "precision": describe(cfg.precision),
+        "precision": dict(policy.describe(), graph=graph_report),
         "backend": backend_entry,
         "versions": _versions(),
         "build_command": _rebuild_command(cfg),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    manifest["parity"] = _parity(tmp, manifest, source, max_seq)
+    target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32" else Target())
+    from trtserve.precision.run import measure_engine
+
+    report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, cfg.calibration)
+    manifest["fidelity"] = report
+    if not report["passed"] and not cfg.allow_low_fidelity:
+        first = "; ".join(report["failures"][:3])
+        raise TrtServeError(
+            f"the {policy.name} engine misses the fidelity target ({len(report['failures'])} failures, e.g. {first}); "
+            "nothing was written. Use --precision hybrid or fp32, relax --fidelity-target, "
+            "or pass --allow-low-fidelity to keep it anyway"
+        )
     return manifest
 
 
-def _export_cached(source: ModelSource, source_hash: str, onnx_path: Path) -> None:
+def _apply_precision(fp32_graph: Path, policy, out: Path) -> dict:
+    import onnx
+
+    from trtserve.precision.passes import apply_policy
+
+    if policy.name == "fp32":
+        shutil.copyfile(fp32_graph, out)
+        return {}
+    with step(f"writing the {policy.name} precision policy into the graph"):
+        mixed, report = apply_policy(onnx.load(str(fp32_graph)), policy)
+        onnx.save(mixed, str(out))
+        onnx.checker.check_model(str(out), full_check=True)
+    say(f"precision: {policy.name}: {sum(report.low_nodes.values())} nodes low, "
+        f"{sum(report.fp32_nodes.values())} fp32, {report.casts_inserted} casts, patterns kept fp32: "
+        + ", ".join(f"{k} x{v['instances']}" for k, v in report.patterns.items()))
+    return report.to_json()
+
+
+def fp32_export(source: ModelSource) -> Path:
+    """The fp32 ONNX export of a checkpoint (cached; exported when the cache is cold)."""
+    return _export_cached(source, source.source_hash())
+
+
+def _export_cached(source: ModelSource, source_hash: str) -> Path:
     """Exports are slow (about a minute for SmolLM2): reuse one keyed by checkpoint and toolchain."""
     import torch
     import transformers
@@ -111,12 +153,12 @@ def _export_cached(source: ModelSource, source_hash: str, onnx_path: Path) -> No
     key = f"{source_hash[:16]}-f{EXPORT_FORMAT}-torch{torch.__version__}-tf{transformers.__version__}"
     cached = cache_root() / "onnx" / key / ONNX_FILE
     if cached.is_file():
-        say(f"export: reusing cached ONNX {cached}")
+        say(f"export: reusing cached fp32 ONNX {cached}")
     else:
         cached.parent.parent.mkdir(parents=True, exist_ok=True)
         with atomic_dir(cached.parent) as tmp:
             _export(source, tmp / ONNX_FILE)
-    shutil.copyfile(cached, onnx_path)
+    return cached
 
 
 def _export(source: ModelSource, path: Path) -> None:
@@ -172,34 +214,6 @@ def _shape_ranges(source: ModelSource, max_batch: int, max_seq: int) -> dict:
     return ranges
 
 
-def _parity(tmp: Path, manifest: dict, source: ModelSource, max_seq: int) -> dict:
-    from trtserve.engine_builder.parity import decoder_parity, encoder_parity
-    from trtserve.models.loading import load_tokenizer, load_torch_model
-    from trtserve.runtime.ort import OrtBackend
-
-    with step("parity against torch fp32 on Wikipedia text"):
-        backend = OrtBackend(artifact.EngineDir(tmp, manifest))
-        reference = load_torch_model(source, attention="eager")
-        tokenizer = load_tokenizer(source.path)
-        check = encoder_parity if source.info.kind == "encoder" else decoder_parity
-        report = check(backend, reference, tokenizer, max_seq)
-        backend.close()
-    say(f"parity: {'passed' if report['passed'] else 'FAILED'} {summary(report)}")
-    return report
-
-
-def summary(parity: dict) -> str:
-    if "prefill" in parity:
-        pre, dec = parity["prefill"], parity["decode"]
-        return (
-            f"prefill top-1 {pre['top1_agreement']:.2%}, perplexity {pre['perplexity_torch']:.3f} (torch) vs "
-            f"{pre['perplexity_engine']:.3f} (engine), delta {pre['perplexity_rel_delta']:.2e}; "
-            f"decode {dec['steps']} steps top-1 {dec['top1_agreement']:.2%}, "
-            f"max abs error {dec['logits']['max_abs_error']:.2e}"
-        )
-    return f"max abs error {parity['max_abs_error']:.2e} (threshold {parity['threshold']['max_abs_error']:.0e})"
-
-
 def _versions() -> dict:
     import numpy
     import onnx
@@ -224,4 +238,8 @@ def _rebuild_command(cfg: BuildConfig) -> str:
     parts += ["--max-batch", str(cfg.max_batch)]
     if cfg.max_seq is not None:
         parts += ["--max-seq", str(cfg.max_seq)]
+    if cfg.calibration is not None:
+        parts += ["--calibration", str(cfg.calibration)]
+    if cfg.allow_low_fidelity:
+        parts.append("--allow-low-fidelity")
     return " ".join(parts)

@@ -10,7 +10,7 @@ def _mb(size: int) -> str:
 
 
 def describe_manifest(engine: EngineDir) -> str:
-    from trtserve.engine_builder.build import summary
+    from trtserve.precision.run import summary
 
     m = engine.manifest
     model, backend, arch = m["model"], m["backend"], m["model"]["architecture"]
@@ -19,7 +19,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"model       {model['id']} ({model['family']} {model['kind']}, {arch['num_layers']} layers, "
         f"hidden {arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
         f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
-        f"precision   {m['precision']['policy']}",
+        f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {}),
         f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})",
         f"onnx        {m['onnx']['file']} opset {m['onnx']['opset']} (sha256 {m['onnx']['sha256'][:16]}...)",
         "shapes      " + ", ".join(f"{axis} {r['min']}..{r['max']} (opt {r['opt']})" for axis, r in m["shapes"].items()),
@@ -27,7 +27,7 @@ def describe_manifest(engine: EngineDir) -> str:
         + (f", ... ({len(m['io']['inputs'])} in all)" if len(m["io"]["inputs"]) > 4 else ""),
         "outputs     " + ", ".join(_io(spec) for spec in m["io"]["outputs"][:3])
         + (f", ... ({len(m['io']['outputs'])} in all)" if len(m["io"]["outputs"]) > 3 else ""),
-        f"parity      {'passed' if m['parity']['passed'] else 'FAILED'}: {summary(m['parity'])}",
+        f"fidelity    {summary(m['fidelity'])}",
         "files       " + ", ".join(f"{name} {_mb(entry['size'])}" for name, entry in m["files"].items()),
         f"built       {m['created']} in {m.get('build_seconds', '?')}s with "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
@@ -38,3 +38,11 @@ def describe_manifest(engine: EngineDir) -> str:
 
 def _io(spec: dict) -> str:
     return f"{spec['name']} {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"
+
+
+def _graph(report: dict) -> str:
+    if not report:
+        return ""
+    low, fp32 = sum(report["low_precision_nodes"].values()), sum(report["fp32_nodes"].values())
+    patterns = ", ".join(f"{k} x{v['instances']}" for k, v in report["patterns_kept_fp32"].items() if v["instances"])
+    return f" ({low} nodes fp16, {fp32} fp32, {report['casts_inserted']} casts; kept fp32: {patterns or 'none'})"

@@ -1,11 +1,79 @@
-"""Precision policies. fp32 is the identity policy: the exported graph is kept as it is."""
+"""Precision policies as data: which ops run in fp16, which stay fp32, which patterns are protected.
+
+A policy is applied to an ONNX graph by `passes.apply_policy`; the result is one mixed-precision
+file that TensorRT (strongly typed) and ONNX Runtime both obey.
+"""
 
 from __future__ import annotations
 
-POLICIES = ("fp32",)
+from dataclasses import dataclass, field
+
+# Ops that never change numbers (layout and selection): they run in whatever precision feeds them.
+MOVEMENT_OPS = frozenset({
+    "Reshape", "Transpose", "Slice", "Concat", "Split", "Squeeze", "Unsqueeze", "Gather", "GatherND",
+    "GatherElements", "Expand", "Identity", "Flatten", "Tile", "Pad",
+})
+# Elementwise arithmetic that is safe in fp16 when both sides already are fp16.
+ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Neg", "Sigmoid", "Gelu", "Relu", "Tanh", "Where", "Clip", "Max", "Min", "Abs"})
+# Overflow- or rounding-prone ops that hybrid keeps in fp32.
+FP32_OPS = frozenset({
+    "Softmax", "LogSoftmax", "LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
+    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare",
+    "ReduceLogSumExp", "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Div", "Erf", "Cos", "Sin", "CumSum",
+})
+GEMM_OPS = frozenset({"MatMul", "Gemm", "Einsum"})
+# Structural patterns that hybrid keeps in fp32 as whole chains (see passes.find_patterns).
+PATTERNS = ("rmsnorm", "rotary", "attention_mask")
 
 
-def describe(policy: str) -> dict:
-    if policy == "fp32":
-        return {"policy": "fp32", "fp32_ops": "all", "fp16_ops": []}
-    raise ValueError(f"unknown precision policy {policy!r}; available: {', '.join(POLICIES)}")
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    low: str = "float16"  # the reduced type: float16 (bf16 later)
+    anchors: frozenset = frozenset()  # ops that run in the low type; "*" means every float op
+    fp32_ops: frozenset = frozenset()  # ops that stay fp32 whatever feeds them
+    fp32_patterns: tuple = ()  # structural patterns kept fp32 as whole chains
+    follow: frozenset = field(default_factory=lambda: MOVEMENT_OPS | ELEMENTWISE_OPS)
+    fp32_nodes: frozenset = frozenset()  # node names kept fp32 explicitly (auto policy)
+    low_embeddings: bool = False  # embedding tables (Gather on an initializer) stored and read low
+
+    @property
+    def everything(self) -> bool:
+        return "*" in self.anchors
+
+    def describe(self) -> dict:
+        return {
+            "policy": self.name,
+            "low_precision_type": None if self.name == "fp32" else self.low,
+            "fp16_anchor_ops": sorted(self.anchors),
+            "fp32_ops": sorted(self.fp32_ops),
+            "fp32_patterns": list(self.fp32_patterns),
+            "follow_ops": sorted(self.follow) if self.name != "fp32" else [],
+            "fp32_nodes": sorted(self.fp32_nodes),
+            "low_embeddings": self.low_embeddings or self.everything,
+        }
+
+
+POLICIES = {
+    "fp32": Policy("fp32"),
+    "fp16": Policy("fp16", anchors=frozenset({"*"})),
+    "hybrid": Policy("hybrid", anchors=GEMM_OPS, fp32_ops=FP32_OPS, fp32_patterns=PATTERNS, low_embeddings=True),
+}
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown precision policy {name!r}; available: {', '.join(POLICIES)}") from None
+
+
+def describe(name: str) -> dict:
+    return get_policy(name).describe()
+
+
+def policy_from_manifest(entry: dict) -> Policy:
+    """The policy an engine was built with (explicit fp32 node sets included)."""
+    base = get_policy(entry["policy"])
+    nodes = frozenset(entry.get("fp32_nodes") or ())
+    return base if nodes == base.fp32_nodes else Policy(**{**base.__dict__, "fp32_nodes": nodes})

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 class OrtBackend:
     name = "onnxruntime"
 
-    def __init__(self, engine: EngineDir, threads: int | None = None):
+    def __init__(self, engine: EngineDir, threads: int | None = None, graph=None):
+        """`graph` overrides the engine's graph (used to run a fidelity emulation graph)."""
         import onnxruntime as ort
 
         self.engine = engine
@@ -28,10 +29,12 @@ class OrtBackend:
         options.intra_op_num_threads = threads or available_cores()
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
-        graph = engine.file(entry.get("graph", "model.onnx"))
         same_build = (entry.get("onnxruntime_version"), entry.get("machine")) == (ort.__version__, platform.machine())
-        if entry.get("name") == "onnxruntime" and same_build:
+        if graph is not None:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        elif entry.get("name") == "onnxruntime" and same_build:
             # Already optimized at build time by this ORT version: skip the work at load.
+            graph = engine.file(entry.get("graph", "model.onnx"))
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         else:
             # ORT's offline-optimized graphs are tied to the version and CPU that wrote them; the

@@ -1,0 +1,201 @@
+"""Measure an engine against HF's own torch fp32 model on real text, at several lengths.
+
+The reference is the checkpoint loaded by transformers with its stock eager attention, its own
+mask code and its own KV cache, so the measurement covers the export wrapper too. The same
+harness gives fp32 parity (strict thresholds) and mixed-precision fidelity (the target).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from trtserve.precision.fidelity import compare, perplexity, top1_agreement
+from trtserve.runtime import generate
+from trtserve.runtime.base import Backend
+
+DECODE_STEPS = 32
+DECODE_PROMPT = 64
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a build must reach. fp32 builds use `parity()`; mixed ones the fidelity default."""
+
+    min_cosine: float = 0.9998
+    min_token_cosine: float = 0.999
+    min_top1: float = 0.995
+    max_ppl_delta: float = 0.005
+    max_abs_error: float | None = None  # encoder outputs, fp32 parity only
+    max_nonfinite: int = 0
+
+    @classmethod
+    def parity(cls) -> "Target":
+        return cls(min_cosine=0.99999, min_token_cosine=0.9999, min_top1=1.0, max_ppl_delta=1e-3, max_abs_error=1e-4)
+
+    @classmethod
+    def parse(cls, text: str) -> "Target":
+        """'cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005' (any subset)."""
+        keys = {"cosine": "min_cosine", "token_cosine": "min_token_cosine", "top1": "min_top1",
+                "ppl_delta": "max_ppl_delta", "max_abs": "max_abs_error"}
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in keys:
+                raise ValueError(f"unknown fidelity key {key!r}; use {', '.join(keys)}")
+            values[keys[key]] = float(value)
+        return cls(**values)
+
+
+class Corpus:
+    """Real text to measure on: the bundled Wikipedia sample, or a user's file."""
+
+    def __init__(self, paragraphs: list[str], name: str):
+        self.paragraphs, self.name = paragraphs, name
+
+    @classmethod
+    def wikipedia(cls) -> "Corpus":
+        from trtserve.eval.data import wiki_paragraphs
+
+        return cls(list(wiki_paragraphs()), "Wikipedia (gensim enwiki sample)")
+
+    @classmethod
+    def from_file(cls, path) -> "Corpus":
+        text = open(path, encoding="utf-8", errors="replace").read()
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()] or [text]
+        return cls(paragraphs, f"file {path}")
+
+    def rows(self, tokenizer, count: int, length: int, special: bool = True) -> list[list[int]]:
+        """`count` token rows of exactly `length` tokens from consecutive text, different starts."""
+        step = max(1, len(self.paragraphs) // (count + 1))
+        rows = []
+        for r in range(count):
+            ids, i = [], r * step
+            while len(ids) < length and i < r * step + len(self.paragraphs):
+                chunk = self.paragraphs[i % len(self.paragraphs)]
+                ids += tokenizer(chunk, add_special_tokens=False)["input_ids"]
+                i += 1
+            rows.append(ids[:length])
+        if min(map(len, rows)) < length:
+            raise ValueError(f"the calibration text has fewer than {length} tokens")
+        if special and tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None:
+            rows = [[tokenizer.cls_token_id] + row[: length - 2] + [tokenizer.sep_token_id] for row in rows]
+        return rows
+
+
+def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus) -> dict:
+    import torch
+
+    names = {spec.name for spec in backend.inputs}
+    cases = {}
+    for length in lengths:
+        batch = 4 if length <= 128 else 2
+        ids = np.array(corpus.rows(tokenizer, batch, length), dtype=np.int64)
+        mask = np.ones_like(ids)
+        mask[1, length - length // 4:] = 0  # row 1 right-padded: covers padding masks
+        ids[1, length - length // 4:] = tokenizer.pad_token_id or 0
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        feeds = {k: v for k, v in feeds.items() if k in names}
+        out = backend.infer(feeds)
+        with torch.inference_mode():
+            ref = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
+        keep = mask.astype(bool)
+        weights = keep[..., None].astype(np.float64)
+        ref_pooled = (ref * weights).sum(1) / weights.sum(1)
+        cases[f"seq{length}"] = {
+            "batch": batch,
+            "tokens": int(keep.sum()),
+            "hidden": compare(ref[keep], out["last_hidden_state"][keep]),
+            "embedding": compare(ref_pooled, out["sentence_embedding"]),
+        }
+    return {"text": corpus.name, "cases": cases}
+
+
+def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus) -> dict:
+    cases = {f"seq{length}": _decoder_prefill(backend, ref_model, tokenizer, length, corpus) for length in lengths}
+    max_total = backend.engine.manifest["shapes"]["total_sequence"]["max"]
+    prompt = min(DECODE_PROMPT, max_total - DECODE_STEPS)
+    return {"text": corpus.name, "cases": cases, "decode": _decoder_decode(backend, ref_model, tokenizer, prompt, corpus)}
+
+
+def _decoder_prefill(backend, ref_model, tokenizer, length: int, corpus: Corpus) -> dict:
+    import torch
+
+    batch = 2 if length <= 512 else 1
+    ids = np.array(corpus.rows(tokenizer, batch, length, special=False), dtype=np.int64)
+    mask = np.ones_like(ids)
+    if batch > 1:  # row 1 left-padded: covers padding masks and per-row positions
+        ids[1, : length // 4] = tokenizer.pad_token_id or 0
+        mask[1, : length // 4] = 0
+    logits = generate.step(backend, generate.start(backend, batch), ids, mask)
+    with torch.inference_mode():
+        ref = ref_model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            position_ids=torch.from_numpy(generate.positions_from_mask(mask)),
+        ).logits.numpy()
+    keep = mask.astype(bool)
+    ppl_ref, ppl_out = perplexity(ref, ids, mask), perplexity(logits, ids, mask)
+    return {
+        "batch": batch,
+        "tokens": int(keep.sum()),
+        "logits": compare(ref[keep], logits[keep]),
+        "top1_agreement": top1_agreement(ref[keep], logits[keep]),
+        "perplexity_torch": ppl_ref,
+        "perplexity_engine": ppl_out,
+        "perplexity_rel_delta": abs(ppl_out - ppl_ref) / ppl_ref if np.isfinite(ppl_out) else float("inf"),
+    }
+
+
+def _decoder_decode(backend, ref_model, tokenizer, prompt_len: int, corpus: Corpus) -> dict:
+    """HF `generate` (greedy, its own KV cache) vs the engine fed the same tokens step by step."""
+    import torch
+
+    ids = np.array(corpus.rows(tokenizer, 2, prompt_len, special=False), dtype=np.int64)
+    mask = np.ones_like(ids)
+    with torch.inference_mode():
+        out = ref_model.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+            max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id or 0,
+        )
+    ref_tokens = out.sequences[:, ids.shape[1]:].numpy()
+    ref_logits = torch.stack(out.logits, 1).numpy()  # (B, steps, V)
+    _, logits = generate.greedy(backend, ids, mask, DECODE_STEPS, forced=ref_tokens)
+    free_tokens, _ = generate.greedy(backend, ids, mask, DECODE_STEPS)
+    return {
+        "batch": 2,
+        "prompt": prompt_len,
+        "steps": DECODE_STEPS,
+        "logits": compare(ref_logits, logits),
+        "top1_agreement": top1_agreement(ref_logits, logits),
+        "greedy_tokens_identical": bool(np.array_equal(free_tokens, ref_tokens)),
+    }
+
+
+def failures(report: dict, target: Target) -> list[str]:
+    """Every way `report` misses `target`, as readable strings (empty: it passes)."""
+    out = []
+    for label, case in list(report["cases"].items()) + ([("decode", report["decode"])] if "decode" in report else []):
+        tensors = {k: v for k, v in case.items() if isinstance(v, dict) and "cosine" in v}
+        for name, m in tensors.items():
+            where = f"{label} {name}"
+            if m["nonfinite"] > target.max_nonfinite:
+                out.append(f"{where}: {m['nonfinite']} NaN/Inf values")
+            if m["cosine"] < target.min_cosine:
+                out.append(f"{where}: cosine {m['cosine']:.6f} < {target.min_cosine}")
+            if m["worst_row_cosine"] < target.min_token_cosine:
+                out.append(f"{where}: worst-token cosine {m['worst_row_cosine']:.6f} < {target.min_token_cosine}")
+            encoder_tensor = name in ("hidden", "embedding")  # decoders are judged by top-1 and perplexity
+            if encoder_tensor and target.max_abs_error is not None and m["max_abs_error"] > target.max_abs_error:
+                out.append(f"{where}: max abs error {m['max_abs_error']:.2e} > {target.max_abs_error:.0e}")
+        if "top1_agreement" in case and case["top1_agreement"] < target.min_top1:
+            out.append(f"{label}: top-1 agreement {case['top1_agreement']:.4f} < {target.min_top1}")
+        if "perplexity_rel_delta" in case and not case["perplexity_rel_delta"] <= target.max_ppl_delta:
+            out.append(f"{label}: perplexity delta {case['perplexity_rel_delta']:.2e} > {target.max_ppl_delta}")
+    return out
+
+
+def target_json(target: Target) -> dict:
+    return asdict(target)

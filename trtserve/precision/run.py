@@ -1,0 +1,100 @@
+"""Run the fidelity measurement of an engine: as served (ONNX Runtime) and, for mixed policies,
+under faithful fp16 emulation, both against HF's torch fp32 model on real text."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from trtserve.progress import step
+
+LENGTHS = (32, 128, 512)
+ORT_LABEL = "onnxruntime (CPU, as served: fp16 nodes computed in fp32)"
+EMULATION_LABEL = "fp16 emulation (every fp16 node's inputs and outputs rounded to fp16, fp32 accumulation)"
+
+
+def lengths_for(max_seq: int) -> list[int]:
+    return sorted({n for n in LENGTHS if n <= max_seq} | {max_seq})
+
+
+def measure_engine(engine, source, fp32_graph: Path, target, calibration=None) -> dict:
+    import onnx
+
+    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.precision.measure import Corpus, decoder_report, encoder_report, failures
+    from trtserve.precision.passes import emulation_model
+    from trtserve.precision.policy import policy_from_manifest
+    from trtserve.runtime.ort import OrtBackend
+
+    policy = policy_from_manifest(engine.manifest["precision"])
+    corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
+    lengths = lengths_for(engine.manifest["shapes"]["sequence"]["max"])
+    report_fn = encoder_report if source.info.kind == "encoder" else decoder_report
+    reference = load_torch_model(source, attention="eager")
+    tokenizer = load_tokenizer(source.path)
+    runs = {"onnxruntime": None}
+    if policy.name != "fp32":
+        runs["fp16_emulation"] = None
+    result = {"reference": "torch fp32 (transformers, eager attention)", "text": corpus.name,
+              "lengths": lengths, "target": asdict(target), "labels": {}}
+    for name in runs:
+        with step(f"fidelity on {corpus.name}: {name}, lengths {lengths}"):
+            with tempfile.TemporaryDirectory(prefix="trtserve-emulation-") as scratch:
+                graph = None
+                if name == "fp16_emulation":
+                    graph = Path(scratch) / "emulation.onnx"
+                    onnx.save(emulation_model(onnx.load(str(fp32_graph)), policy), str(graph))
+                backend = OrtBackend(engine, graph=graph)
+                report = report_fn(backend, reference, tokenizer, lengths, corpus)
+                backend.close()
+        report["failures"] = failures(report, target)
+        report["passed"] = not report["failures"]
+        result[name] = report
+        result["labels"][name] = ORT_LABEL if name == "onnxruntime" else EMULATION_LABEL
+    result["failures"] = [f"{name}: {f}" for name in runs for f in result[name]["failures"]]
+    result["passed"] = not result["failures"]
+    return result
+
+
+def worst(report: dict) -> dict:
+    """The worst value of each metric over all lengths (and decode steps)."""
+    cases = list(report["cases"].values()) + ([report["decode"]] if "decode" in report else [])
+    tensors = [v for case in cases for v in case.values() if isinstance(v, dict) and "cosine" in v]
+    out = {
+        "cosine": min(t["cosine"] for t in tensors),
+        "token_cosine": min(t["worst_row_cosine"] for t in tensors),
+        "max_abs_error": max(t["max_abs_error"] for t in tensors),
+        "nonfinite": sum(t["nonfinite"] for t in tensors),
+    }
+    if any("top1_agreement" in case for case in cases):
+        out["top1"] = min(case["top1_agreement"] for case in cases if "top1_agreement" in case)
+        out["ppl_delta"] = max(case["perplexity_rel_delta"] for case in cases if "perplexity_rel_delta" in case)
+    return out
+
+
+def summary(fidelity: dict) -> str:
+    parts = []
+    for name in ("onnxruntime", "fp16_emulation"):
+        if name not in fidelity:
+            continue
+        w = worst(fidelity[name])
+        text = (f"{name}: cos {w['cosine']:.6f}, worst-token cos {w['token_cosine']:.6f}, "
+                f"max abs {w['max_abs_error']:.2e}, NaN/Inf {w['nonfinite']}")
+        if "top1" in w:
+            text += f", top-1 {w['top1']:.2%}, ppl delta {w['ppl_delta']:.2e}"
+        parts.append(text)
+    verdict = "passed" if fidelity["passed"] else "FAILED"
+    return f"{verdict} at lengths {fidelity['lengths']} on {fidelity['text']}: " + "; ".join(parts)
+
+
+def remeasure(engine, calibration=None) -> dict:
+    """`trtserve fidelity`: measure an existing engine again, on any text."""
+    from trtserve.engine_builder.build import fp32_export
+    from trtserve.models.sources import resolve
+    from trtserve.precision.measure import Target
+
+    source = resolve(engine.manifest["model"]["source"])
+    fp32_graph = fp32_export(source)
+    target = Target(**engine.manifest["fidelity"]["target"])
+    return measure_engine(engine, source, fp32_graph, target, calibration)
