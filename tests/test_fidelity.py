@@ -39,3 +39,11 @@ def test_top1_agreement_and_nonfinite_count():
     b = np.array([[0.0, 1.0], [0.1, 0.9], [0.2, 0.8]])
     assert top1_agreement(a, b) == 2 / 3
     assert nonfinite_count(np.array([1.0, np.nan, np.inf, -np.inf])) == 3
+
+
+def test_a_nan_row_makes_the_worst_row_cosine_nan_not_one():
+    ref = np.ones((3, 4))
+    out = ref.copy()
+    out[1, 2] = np.nan
+    assert np.isnan(worst_row_cosine(ref, out))
+    assert worst_row_cosine(np.zeros((1, 4)), np.ones((1, 4))) == 0.0

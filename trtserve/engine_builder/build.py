@@ -77,16 +77,11 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str) -> dict:
     from trtserve.engine_builder.onnxruntime import build_ort
+    from trtserve.precision.run import Harness, measure_engine
 
     onnx_path = tmp / ONNX_FILE
     source_hash = source.source_hash()
     fp32_graph = _export_cached(source, source_hash)
-    policy = get_policy(cfg.precision)
-    graph_report = _apply_precision(fp32_graph, policy, onnx_path)
-    _copy_tokenizer_files(source, tmp)
-    with step("optimizing the graph with ONNX Runtime"):
-        backend_entry = build_ort(onnx_path, tmp)
-    backend_entry["chosen_because"] = why
     manifest = {
         "model": {
             "id": source.model_id,
@@ -97,20 +92,35 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
             "kind": source.info.kind,
             "architecture": vars(source.info),
         },
+        "io": _io_from_graph(fp32_graph),  # the policy keeps graph inputs and outputs fp32
+        "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
+    }
+    policy = get_policy(cfg.precision)
+    target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32" else Target())
+    harness = Harness(artifact.EngineDir(tmp, manifest), source, target, cfg.calibration)
+    search_record = None
+    if policy.name == "auto":
+        import onnx
+
+        from trtserve.precision.search import search
+
+        with step("auto precision: overflow probe and search under fp16 emulation"):
+            policy, search_record = search(onnx.load(str(fp32_graph)), harness)
+    graph_report = _apply_precision(fp32_graph, policy, onnx_path)
+    _copy_tokenizer_files(source, tmp)
+    with step("optimizing the graph with ONNX Runtime"):
+        backend_entry = build_ort(onnx_path, tmp)
+    backend_entry["chosen_because"] = why
+    manifest.update({
         "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
                  "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
-        "io": _io_from_graph(onnx_path),
-        "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
-        "precision": dict(policy.describe(), graph=graph_report),
+        "precision": dict(policy.describe(), graph=graph_report, search=search_record),
         "backend": backend_entry,
         "versions": _versions(),
         "build_command": _rebuild_command(cfg),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32" else Target())
-    from trtserve.precision.run import measure_engine
-
-    report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, cfg.calibration)
+    })
+    report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
     manifest["fidelity"] = report
     if not report["passed"] and not cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])

@@ -17,11 +17,16 @@ def cosine(ref: np.ndarray, out: np.ndarray) -> float:
 
 
 def worst_row_cosine(ref: np.ndarray, out: np.ndarray) -> float:
-    """Smallest cosine over rows of the last axis (per token for hidden states or logits)."""
+    """Smallest cosine over rows of the last axis (per token for hidden states or logits).
+
+    A row holding NaN or Inf has no cosine: the result is then NaN, never a flattering number."""
     a = ref.astype(np.float64).reshape(-1, ref.shape[-1])
     b = out.astype(np.float64).reshape(-1, out.shape[-1])
+    if not np.isfinite(b).all():
+        return float("nan")
     denom = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    cos = np.where(denom > 0, (a * b).sum(1) / np.where(denom > 0, denom, 1), 1.0)
+    both_zero = (np.linalg.norm(a, axis=1) == 0) & (np.linalg.norm(b, axis=1) == 0)
+    cos = np.where(denom > 0, (a * b).sum(1) / np.where(denom > 0, denom, 1), np.where(both_zero, 1.0, 0.0))
     return float(cos.min()) if cos.size else 1.0
 
 

@@ -112,8 +112,10 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
     return {"text": corpus.name, "cases": cases}
 
 
-def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus) -> dict:
+def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, decode: bool = True) -> dict:
     cases = {f"seq{length}": _decoder_prefill(backend, ref_model, tokenizer, length, corpus) for length in lengths}
+    if not decode:
+        return {"text": corpus.name, "cases": cases}
     max_total = backend.engine.manifest["shapes"]["total_sequence"]["max"]
     prompt = min(DECODE_PROMPT, max_total - DECODE_STEPS)
     return {"text": corpus.name, "cases": cases, "decode": _decoder_decode(backend, ref_model, tokenizer, prompt, corpus)}
@@ -183,14 +185,15 @@ def failures(report: dict, target: Target) -> list[str]:
             where = f"{label} {name}"
             if m["nonfinite"] > target.max_nonfinite:
                 out.append(f"{where}: {m['nonfinite']} NaN/Inf values")
-            if m["cosine"] < target.min_cosine:
+            # written as not(x >= bound) so that NaN always counts as a miss
+            if not m["cosine"] >= target.min_cosine:
                 out.append(f"{where}: cosine {m['cosine']:.6f} < {target.min_cosine}")
-            if m["worst_row_cosine"] < target.min_token_cosine:
+            if not m["worst_row_cosine"] >= target.min_token_cosine:
                 out.append(f"{where}: worst-token cosine {m['worst_row_cosine']:.6f} < {target.min_token_cosine}")
             encoder_tensor = name in ("hidden", "embedding")  # decoders are judged by top-1 and perplexity
-            if encoder_tensor and target.max_abs_error is not None and m["max_abs_error"] > target.max_abs_error:
+            if encoder_tensor and target.max_abs_error is not None and not m["max_abs_error"] <= target.max_abs_error:
                 out.append(f"{where}: max abs error {m['max_abs_error']:.2e} > {target.max_abs_error:.0e}")
-        if "top1_agreement" in case and case["top1_agreement"] < target.min_top1:
+        if "top1_agreement" in case and not case["top1_agreement"] >= target.min_top1:
             out.append(f"{label}: top-1 agreement {case['top1_agreement']:.4f} < {target.min_top1}")
         if "perplexity_rel_delta" in case and not case["perplexity_rel_delta"] <= target.max_ppl_delta:
             out.append(f"{label}: perplexity delta {case['perplexity_rel_delta']:.2e} > {target.max_ppl_delta}")

@@ -58,6 +58,8 @@ POLICIES = {
     "fp32": Policy("fp32"),
     "fp16": Policy("fp16", anchors=frozenset({"*"})),
     "hybrid": Policy("hybrid", anchors=GEMM_OPS, fp32_ops=FP32_OPS, fp32_patterns=PATTERNS, low_embeddings=True),
+    # fp16 plus the node set chosen by precision.search for one model (recorded in the manifest)
+    "auto": Policy("auto", anchors=frozenset({"*"})),
 }
 
 

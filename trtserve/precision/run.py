@@ -3,6 +3,7 @@ under faithful fp16 emulation, both against HF's torch fp32 model on real text."
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -18,43 +19,73 @@ def lengths_for(max_seq: int) -> list[int]:
     return sorted({n for n in LENGTHS if n <= max_seq} | {max_seq})
 
 
-def measure_engine(engine, source, fp32_graph: Path, target, calibration=None) -> dict:
+class Harness:
+    """Reference model, tokenizer and text loaded once, for several fidelity runs of one engine."""
+
+    def __init__(self, engine, source, target, calibration=None):
+        from trtserve.models.loading import load_tokenizer, load_torch_model
+        from trtserve.precision.measure import Corpus, decoder_report, encoder_report
+
+        self.engine, self.target = engine, target
+        self.corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
+        self.lengths = lengths_for(engine.manifest["shapes"]["sequence"]["max"])
+        self.report_fn = encoder_report if source.info.kind == "encoder" else decoder_report
+        self.reference = load_torch_model(source, attention="eager")
+        self.tokenizer = load_tokenizer(source.path)
+
+    def run(self, graph=None, decode: bool = True) -> dict:
+        """Measure the engine's own graph, or `graph` (an emulation model) in its place."""
+        from trtserve.precision.measure import failures
+        from trtserve.runtime.ort import OrtBackend
+
+        with tempfile.TemporaryDirectory(prefix="trtserve-emulation-") as scratch:
+            path = None
+            if graph is not None:
+                import onnx
+
+                path = Path(scratch) / "emulation.onnx"
+                onnx.save(graph, str(path))
+            backend = OrtBackend(self.engine, graph=path)
+            kwargs = {} if self.report_fn.__name__ == "encoder_report" else {"decode": decode}
+            report = self.report_fn(backend, self.reference, self.tokenizer, self.lengths, self.corpus, **kwargs)
+            backend.close()
+        report["failures"] = failures(report, self.target)
+        report["passed"] = not report["failures"]
+        return report
+
+    def emulated(self, fp32_model, policy, decode: bool = True) -> dict:
+        from trtserve.precision.passes import emulation_model
+
+        return self.run(emulation_model(fp32_model, policy), decode=decode)
+
+
+def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, harness=None) -> dict:
     import onnx
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
-    from trtserve.precision.measure import Corpus, decoder_report, encoder_report, failures
-    from trtserve.precision.passes import emulation_model
     from trtserve.precision.policy import policy_from_manifest
-    from trtserve.runtime.ort import OrtBackend
 
     policy = policy_from_manifest(engine.manifest["precision"])
-    corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
-    lengths = lengths_for(engine.manifest["shapes"]["sequence"]["max"])
-    report_fn = encoder_report if source.info.kind == "encoder" else decoder_report
-    reference = load_torch_model(source, attention="eager")
-    tokenizer = load_tokenizer(source.path)
-    runs = {"onnxruntime": None}
-    if policy.name != "fp32":
-        runs["fp16_emulation"] = None
-    result = {"reference": "torch fp32 (transformers, eager attention)", "text": corpus.name,
-              "lengths": lengths, "target": asdict(target), "labels": {}}
+    harness = harness or Harness(engine, source, target, calibration)
+    harness.engine = engine  # the complete engine (a search may have run on a partial manifest)
+    runs = ["onnxruntime"] + (["fp16_emulation"] if policy.name != "fp32" else [])
+    result = {"reference": "torch fp32 (transformers, eager attention)", "text": harness.corpus.name,
+              "lengths": harness.lengths, "target": asdict(target), "labels": {}}
     for name in runs:
-        with step(f"fidelity on {corpus.name}: {name}, lengths {lengths}"):
-            with tempfile.TemporaryDirectory(prefix="trtserve-emulation-") as scratch:
-                graph = None
-                if name == "fp16_emulation":
-                    graph = Path(scratch) / "emulation.onnx"
-                    onnx.save(emulation_model(onnx.load(str(fp32_graph)), policy), str(graph))
-                backend = OrtBackend(engine, graph=graph)
-                report = report_fn(backend, reference, tokenizer, lengths, corpus)
-                backend.close()
-        report["failures"] = failures(report, target)
-        report["passed"] = not report["failures"]
-        result[name] = report
+        with step(f"fidelity on {harness.corpus.name}: {name}, lengths {harness.lengths}"):
+            if name == "onnxruntime":
+                result[name] = harness.run()
+            else:
+                result[name] = harness.emulated(onnx.load(str(fp32_graph)), policy)
         result["labels"][name] = ORT_LABEL if name == "onnxruntime" else EMULATION_LABEL
     result["failures"] = [f"{name}: {f}" for name in runs for f in result[name]["failures"]]
     result["passed"] = not result["failures"]
     return result
+
+
+def _nan_min(values) -> float:
+    """min() that returns NaN when any value is NaN (Python's min depends on the order)."""
+    values = list(values)
+    return float("nan") if any(math.isnan(v) for v in values) else min(values)
 
 
 def worst(report: dict) -> dict:
@@ -62,14 +93,14 @@ def worst(report: dict) -> dict:
     cases = list(report["cases"].values()) + ([report["decode"]] if "decode" in report else [])
     tensors = [v for case in cases for v in case.values() if isinstance(v, dict) and "cosine" in v]
     out = {
-        "cosine": min(t["cosine"] for t in tensors),
-        "token_cosine": min(t["worst_row_cosine"] for t in tensors),
-        "max_abs_error": max(t["max_abs_error"] for t in tensors),
+        "cosine": _nan_min(t["cosine"] for t in tensors),
+        "token_cosine": _nan_min(t["worst_row_cosine"] for t in tensors),
+        "max_abs_error": -_nan_min(-t["max_abs_error"] for t in tensors),
         "nonfinite": sum(t["nonfinite"] for t in tensors),
     }
     if any("top1_agreement" in case for case in cases):
-        out["top1"] = min(case["top1_agreement"] for case in cases if "top1_agreement" in case)
-        out["ppl_delta"] = max(case["perplexity_rel_delta"] for case in cases if "perplexity_rel_delta" in case)
+        out["top1"] = _nan_min(case["top1_agreement"] for case in cases if "top1_agreement" in case)
+        out["ppl_delta"] = -_nan_min(-case["perplexity_rel_delta"] for case in cases if "perplexity_rel_delta" in case)
     return out
 
 

@@ -24,7 +24,7 @@ class OrtBackend:
         self.engine = engine
         self.inputs, self.outputs = io_specs(engine.manifest)
         self.ranges = engine.manifest["shapes"]
-        entry = engine.manifest["backend"]
+        entry = engine.manifest.get("backend", {})
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or available_cores()
         options.inter_op_num_threads = 1

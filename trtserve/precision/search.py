@@ -1,0 +1,115 @@
+"""The auto policy: starting from fp16, the smallest prefix of ranked fp32 candidates that meets
+the fidelity target under fp16 emulation on calibration text.
+
+Candidates are units (a whole RMSNorm chain, the rotary chain, the mask chain, one softmax, one
+node), ranked by the overflow probe (units holding a node whose values leave the fp16 range come
+first, largest first), then by sensitivity class, then by activation magnitude. The prefix length
+is found by bisection, so a model needs about log2(units) fidelity runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trtserve.precision.passes import find_patterns
+from trtserve.precision.policy import FP32_OPS, Policy, get_policy
+from trtserve.progress import say
+
+CLASS_ORDER = {"attention_mask": 0, "rotary": 1, "rmsnorm": 2, "LayerNormalization": 2, "Softmax": 3}
+
+
+@dataclass(frozen=True)
+class Unit:
+    label: str
+    nodes: frozenset
+    flagged_peak: float  # largest out-of-range activation among its nodes (0: none)
+    klass: int
+    peak: float
+
+
+def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit]:
+    from trtserve.precision.passes import _name_nodes
+
+    _name_nodes(model.graph)
+    peak_of = {}
+    for tensor, node in ranges.producer.items():
+        peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
+    units, taken = [], set()
+
+    def add(label: str, nodes: set, klass: int):
+        nodes = frozenset(nodes) - taken
+        if not nodes:
+            return
+        taken.update(nodes)
+        flagged = max((flagged_nodes.get(n, 0.0) for n in nodes), default=0.0)
+        units.append(Unit(label, nodes, flagged, klass, max(peak_of.get(n, 0.0) for n in nodes)))
+
+    for name, instances in find_patterns(model, ("attention_mask", "rotary", "rmsnorm")).items():
+        for i, nodes in enumerate(instances):
+            add(f"{name}[{i}]", nodes, CLASS_ORDER[name])
+    for node in model.graph.node:
+        if node.name in peak_of or node.op_type in FP32_OPS:
+            klass = CLASS_ORDER.get(node.op_type, 4 if node.op_type in FP32_OPS else 5)
+            add(f"{node.op_type}:{node.name}", {node.name}, klass)
+    return sorted(units, key=lambda u: (u.flagged_peak == 0, -u.flagged_peak, u.klass, -u.peak))
+
+
+def auto_policy(model, units: list[Unit], passes) -> tuple[Policy, list[dict], int]:
+    """Bisect the number of leading units kept fp32; `passes(policy)` runs one fidelity check."""
+    base = get_policy("auto")
+    log = []
+
+    def policy_for(k: int) -> Policy:
+        nodes = frozenset().union(*(u.nodes for u in units[:k]))
+        return Policy(**{**base.__dict__, "fp32_nodes": nodes})
+
+    def check(k: int) -> bool:
+        ok = passes(policy_for(k))
+        log.append({"units_fp32": k, "nodes_fp32": len(policy_for(k).fp32_nodes), "passed": ok})
+        say(f"auto: {k} of {len(units)} candidate units in fp32 -> {'meets' if ok else 'misses'} the target")
+        return ok
+
+    if check(0):
+        return policy_for(0), log, 0
+    if not check(len(units)):
+        raise RuntimeError("even with every candidate in fp32 the target is missed")
+    low, high = 0, len(units)  # check(low) fails, check(high) passes
+    while high - low > 1:
+        mid = (low + high) // 2
+        if check(mid):
+            high = mid
+        else:
+            low = mid
+    return policy_for(high), log, high
+
+
+def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
+    """Probe on calibration text, rank candidates, bisect under fp16 emulation."""
+    import numpy as np
+
+    from trtserve.precision.overflow import activation_ranges, flagged
+    from trtserve.precision.probe import _feeds
+
+    info_kind = "encoder" if harness.report_fn.__name__ == "encoder_report" else "decoder"
+    names = [v.name for v in fp32_model.graph.input]
+    length = min(probe_length, max(harness.lengths))
+    rows = np.array(harness.corpus.rows(harness.tokenizer, 4, length, special=info_kind == "encoder"), np.int64)
+    past = None
+    if info_kind == "decoder":
+        spec = next(v for v in fp32_model.graph.input if v.name.startswith("past_key_values."))
+        dims = spec.type.tensor_type.shape.dim
+        past = (dims[1].dim_value, dims[3].dim_value)
+    feeds = [_feeds(info_kind, rows[i: i + 2], names, past) for i in (0, 2)]
+    ranges = activation_ranges(fp32_model, feeds)
+    flags = {f["node"]: f["absmax"] for f in flagged(ranges, fp32_model, get_policy("fp16"))}
+    units = candidate_units(fp32_model, ranges, flags)
+    say(f"auto: {len(flags)} nodes overflow fp16 on calibration text; {len(units)} candidate units ranked")
+    policy, log, k = auto_policy(fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False)["passed"])
+    record = {
+        "probe_tokens": int(rows.size),
+        "flagged_nodes": len(flags),
+        "candidate_units": len(units),
+        "units_kept_fp32": [u.label for u in units[:k]],
+        "evaluations": log,
+    }
+    return policy, record
