@@ -1,4 +1,4 @@
-"""`trtserve` command line: build-engine, info, fidelity, run. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, probe, run. Every flag maps to one config field."""
 
 from __future__ import annotations
 
@@ -81,6 +81,33 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    import onnx
+
+    from trtserve.engine_builder.build import fp32_export
+    from trtserve.models.loading import load_tokenizer
+    from trtserve.models.sources import resolve
+    from trtserve.precision.measure import Corpus
+    from trtserve.precision.policy import get_policy
+    from trtserve.precision.probe import real_vs_random
+    from trtserve.precision.probe_report import to_markdown
+    from trtserve.progress import step
+
+    source = resolve(args.model)
+    model = onnx.load(str(fp32_export(source)))
+    with step(f"probing {source.model_id}: real text vs random ids under {args.policy}"):
+        report = real_vs_random(source, model, get_policy(args.policy), load_tokenizer(source.path),
+                                Corpus.wikipedia(), length=args.length, batches=args.batches)
+    command = f"trtserve probe {args.model} --policy {args.policy} --length {args.length} --batches {args.batches}"
+    text = to_markdown(source.model_id, report, command)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(text)
+        args.report.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    print(text)
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from trtserve.runtime import load_backend
     from trtserve.runtime.text import TextEngine
@@ -129,6 +156,13 @@ def make_parser() -> argparse.ArgumentParser:
     fid.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: bundled Wikipedia sample)")
     fid.add_argument("--json", action="store_true", help="also print the full report as JSON")
     fid.set_defaults(func=_cmd_fidelity)
+    probe = sub.add_parser("probe", help="fp16 overflow probe: real text vs random token ids")
+    probe.add_argument("model", help="checkpoint directory or bundled model name")
+    probe.add_argument("--policy", default="fp16", choices=["fp16", "hybrid"], help="policy to probe (default fp16)")
+    probe.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
+    probe.add_argument("--batches", type=int, default=4, help="batches of 2 sequences per input kind (default 4)")
+    probe.add_argument("--report", type=Path, default=None, help="also write the report here (.md, plus .json)")
+    probe.set_defaults(func=_cmd_probe)
     run = sub.add_parser("run", help="run an engine on text: embeddings for encoders, greedy text for decoders")
     run.add_argument("engine_dir", type=Path)
     run.add_argument("--text", action="append", help="input text (repeat for several); default: a Wikipedia paragraph")

@@ -33,7 +33,7 @@ class Harness:
         self.reference = load_torch_model(source, attention="eager")
         self.tokenizer = load_tokenizer(source.path)
 
-    def run(self, graph=None, decode: bool = True) -> dict:
+    def run(self, graph=None, decode: bool = True, lengths=None) -> dict:
         """Measure the engine's own graph, or `graph` (an emulation model) in its place."""
         from trtserve.precision.measure import failures
         from trtserve.runtime.ort import OrtBackend
@@ -47,16 +47,17 @@ class Harness:
                 onnx.save(graph, str(path))
             backend = OrtBackend(self.engine, graph=path)
             kwargs = {} if self.report_fn.__name__ == "encoder_report" else {"decode": decode}
-            report = self.report_fn(backend, self.reference, self.tokenizer, self.lengths, self.corpus, **kwargs)
+            report = self.report_fn(backend, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
+                                    **kwargs)
             backend.close()
         report["failures"] = failures(report, self.target)
         report["passed"] = not report["failures"]
         return report
 
-    def emulated(self, fp32_model, policy, decode: bool = True) -> dict:
+    def emulated(self, fp32_model, policy, decode: bool = True, lengths=None) -> dict:
         from trtserve.precision.passes import emulation_model
 
-        return self.run(emulation_model(fp32_model, policy), decode=decode)
+        return self.run(emulation_model(fp32_model, policy), decode=decode, lengths=lengths)
 
 
 def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, harness=None) -> dict:

@@ -15,6 +15,7 @@ from trtserve.precision.passes import find_patterns
 from trtserve.precision.policy import FP32_OPS, Policy, get_policy
 from trtserve.progress import say
 
+SEARCH_MAX_LENGTH = 512  # the bisection runs on lengths up to this; the result is confirmed on all
 CLASS_ORDER = {"attention_mask": 0, "rotary": 1, "rmsnorm": 2, "LayerNormalization": 2, "Softmax": 3}
 
 
@@ -54,8 +55,10 @@ def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit
     return sorted(units, key=lambda u: (u.flagged_peak == 0, -u.flagged_peak, u.klass, -u.peak))
 
 
-def auto_policy(model, units: list[Unit], passes) -> tuple[Policy, list[dict], int]:
-    """Bisect the number of leading units kept fp32; `passes(policy)` runs one fidelity check."""
+def auto_policy(model, units: list[Unit], passes, start: int = 0) -> tuple[Policy, list[dict], int]:
+    """Bisect the number of leading units kept fp32; `passes(policy)` runs one fidelity check.
+
+    `start` is a prefix length already known to miss the target (0: try plain fp16 first)."""
     base = get_policy("auto")
     log = []
 
@@ -69,11 +72,11 @@ def auto_policy(model, units: list[Unit], passes) -> tuple[Policy, list[dict], i
         say(f"auto: {k} of {len(units)} candidate units in fp32 -> {'meets' if ok else 'misses'} the target")
         return ok
 
-    if check(0):
+    if start == 0 and check(0):
         return policy_for(0), log, 0
     if not check(len(units)):
         raise RuntimeError("even with every candidate in fp32 the target is missed")
-    low, high = 0, len(units)  # check(low) fails, check(high) passes
+    low, high = start, len(units)  # check(low) fails, check(high) passes
     while high - low > 1:
         mid = (low + high) // 2
         if check(mid):
@@ -104,7 +107,17 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     flags = {f["node"]: f["absmax"] for f in flagged(ranges, fp32_model, get_policy("fp16"))}
     units = candidate_units(fp32_model, ranges, flags)
     say(f"auto: {len(flags)} nodes overflow fp16 on calibration text; {len(units)} candidate units ranked")
-    policy, log, k = auto_policy(fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False)["passed"])
+    # Bisect on the shorter lengths (fast), then confirm on all of them; if the long ones miss,
+    # bisect again above the prefix found, on every length.
+    short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH] or harness.lengths[:1]
+    policy, log, k = auto_policy(
+        fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False, lengths=short)["passed"])
+    if short != harness.lengths and not harness.emulated(fp32_model, policy, decode=False)["passed"]:
+        say(f"auto: {k} units meet the target up to {max(short)} tokens but not at {max(harness.lengths)}; "
+            "searching again on every length")
+        policy, more, k = auto_policy(
+            fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False)["passed"], start=k)
+        log += more
     record = {
         "probe_tokens": int(rows.size),
         "flagged_nodes": len(flags),

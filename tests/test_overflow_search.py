@@ -1,0 +1,51 @@
+"""Overflow probe and auto search on the tiny hand-written block (real ONNX Runtime runs)."""
+
+import numpy as np
+import onnxruntime as ort
+
+from tests.onnx_graphs import block_graph
+from tests.test_precision_pass import block_feeds
+from trtserve.precision.overflow import SENTINEL, activation_ranges, flagged
+from trtserve.precision.passes import emulation_model
+from trtserve.precision.policy import get_policy
+from trtserve.precision.search import auto_policy, candidate_units
+
+
+def run(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def test_probe_flags_the_square_that_overflows_and_ignores_mask_sentinels():
+    model = block_graph()
+    ranges = activation_ranges(model, [block_feeds(scale=300.0)])
+    assert max(ranges.absmax.values()) < SENTINEL  # the mask's fp32 minimum is not an activation
+    fp16 = {f["node"]: f for f in flagged(ranges, model, get_policy("fp16"))}
+    pow_node = next(n for n, f in fp16.items() if f["op"] == "Pow")
+    assert fp16[pow_node]["absmax"] > 65504
+    assert fp16[pow_node]["why"] == "output"  # x itself fits fp16 (|x| < 65504), x*x does not
+    assert flagged(ranges, model, get_policy("hybrid")) == []  # hybrid keeps the chain fp32
+
+
+def test_small_inputs_flag_nothing():
+    model = block_graph()
+    ranges = activation_ranges(model, [block_feeds(scale=1.0)])
+    assert flagged(ranges, model, get_policy("fp16")) == []
+
+
+def test_auto_keeps_the_overflowing_norm_fp32_and_meets_the_target():
+    model, feeds = block_graph(), block_feeds(scale=300.0)
+    reference = run(model, feeds) - feeds["x"]
+    ranges = activation_ranges(model, [feeds])
+    flags = {f["node"]: f["absmax"] for f in flagged(ranges, model, get_policy("fp16"))}
+    units = candidate_units(model, ranges, flags)
+    assert units[0].label.startswith("rmsnorm")  # ranked first: it holds the overflowing square
+
+    def passes(policy):
+        delta = run(emulation_model(model, policy), feeds) - feeds["x"]
+        cos = (reference * delta).sum() / np.linalg.norm(reference) / np.linalg.norm(delta)
+        return bool(cos >= 0.999)
+
+    policy, log, k = auto_policy(model, units, passes)
+    assert not log[0]["passed"]  # plain fp16 misses the target
+    assert passes(policy) and 0 < k < len(units)
+    assert units[0].nodes <= policy.fp32_nodes
