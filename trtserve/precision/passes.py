@@ -162,7 +162,9 @@ def _attention_mask(index: _Graph) -> list[set[str]]:
             if node.op_type in ("Shape", "Size"):
                 continue
             chain.add(node.name)
-            activations = [i for i in node.input if i and i not in index.inits]
+            # float activations from elsewhere (the scores) end the chain; integer and boolean
+            # tensors (causal structure built from shapes) do not
+            activations = [i for i in node.input if index.is_float(i) and i not in index.inits]
             if all(i in pure for i in activations):
                 for out in node.output:
                     if out not in pure:

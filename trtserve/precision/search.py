@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtserve.precision.passes import find_patterns
-from trtserve.precision.policy import FP32_OPS, Policy, get_policy
+from trtserve.precision.policy import FP32_OPS, GEMM_OPS, Policy, get_policy
 from trtserve.progress import say
 
 SEARCH_MAX_LENGTH = 512  # the bisection runs on lengths up to this; the result is confirmed on all
@@ -49,6 +49,8 @@ def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit
         for i, nodes in enumerate(instances):
             add(f"{name}[{i}]", nodes, CLASS_ORDER[name])
     for node in model.graph.node:
+        if node.op_type in GEMM_OPS and node.name not in flagged_nodes:
+            continue  # fp16 GEMMs are the point of the policy; only an overflowing one is a candidate
         if node.name in peak_of or node.op_type in FP32_OPS:
             klass = CLASS_ORDER.get(node.op_type, 4 if node.op_type in FP32_OPS else 5)
             add(f"{node.op_type}:{node.name}", {node.name}, klass)
