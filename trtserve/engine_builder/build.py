@@ -146,7 +146,7 @@ def _apply_precision(fp32_graph: Path, policy, out: Path) -> dict:
         onnx.checker.check_model(str(out), full_check=True)
     say(f"precision: {policy.name}: {sum(report.low_nodes.values())} nodes low, "
         f"{sum(report.fp32_nodes.values())} fp32, {report.casts_inserted} casts, patterns kept fp32: "
-        + ", ".join(f"{k} x{v['instances']}" for k, v in report.patterns.items()))
+        + (", ".join(f"{k} x{v['instances']}" for k, v in report.patterns.items()) or "none (explicit node set)"))
     return report.to_json()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 ROWS = (
-    ("max_activation", "largest |activation| in the fp32 graph (mask sentinels excluded)", "{:,.0f}"),
+    ("max_activation", "largest absolute activation in the fp32 graph (mask sentinels excluded)", "{:,.0f}"),
     ("fp16_overflow_nodes", "nodes the policy runs in fp16 whose values leave the fp16 range", "{:d}"),
     ("overflow_value_rate", "share of fp16-node values beyond ±65,504", "{:.2e}"),
     ("nonfinite_rate", "NaN/Inf rate of the fp16-emulated outputs", "{:.2e}"),
@@ -35,7 +35,7 @@ def to_markdown(model_id: str, report: dict, command: str) -> str:
         lines.append(f"| {label} | {fmt.format(real[key])} | {fmt.format(rand[key])} | "
                      f"{_ratio(report['underestimation'][key])} |")
     lines += ["", "Nodes with the largest out-of-range values on real text:", "",
-              "| node | op | max |value| | why |", "|---|---|---|---|"]
+              "| node | op | largest absolute value | why |", "|---|---|---|---|"]
     for flag in real["worst_nodes"]:
         lines.append(f"| {flag['node']} | {flag['op']} | {flag['absmax']:,.0f} | {flag['why']} |")
     if not real["worst_nodes"]:
