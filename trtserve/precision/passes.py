@@ -83,7 +83,7 @@ class _Graph:
         return self._absmax[name] <= FP16_MAX
 
 
-def _name_nodes(graph) -> None:
+def name_nodes(graph) -> None:
     seen = set()
     for i, node in enumerate(graph.node):
         if not node.name or node.name in seen:
@@ -96,7 +96,7 @@ def find_patterns(model, names) -> dict[str, list[set[str]]]:
     if any(not node.name for node in model.graph.node):
         copy = type(model)()
         copy.CopyFrom(model)
-        _name_nodes(copy.graph)
+        name_nodes(copy.graph)
         model = copy
     index = _Graph(model)
     finders = {"rmsnorm": _rmsnorm, "rotary": _rotary, "attention_mask": _attention_mask}
@@ -178,7 +178,7 @@ def plan_policy(model, policy: Policy):
     import onnx
 
     model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    _name_nodes(model.graph)
+    name_nodes(model.graph)
     report = PassReport()
     index = _Graph(model)
     if policy.name == "fp32":

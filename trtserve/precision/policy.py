@@ -70,10 +70,6 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown precision policy {name!r}; available: {', '.join(POLICIES)}") from None
 
 
-def describe(name: str) -> dict:
-    return get_policy(name).describe()
-
-
 def policy_from_manifest(entry: dict) -> Policy:
     """The policy an engine was built with (explicit fp32 node sets included)."""
     base = get_policy(entry["policy"])

@@ -16,7 +16,7 @@ from trtserve.precision.policy import Policy
 DIVERGED_BELOW = 0.99
 
 
-def _feeds(kind: str, ids: np.ndarray, input_names: list[str], past_shape=None) -> dict:
+def probe_feeds(kind: str, ids: np.ndarray, input_names: list[str], past_shape=None) -> dict:
     mask = np.ones_like(ids)
     feeds = {"input_ids": ids, "attention_mask": mask}
     if "token_type_ids" in input_names:
@@ -64,7 +64,7 @@ def real_vs_random(source, model, policy: Policy, tokenizer, corpus, length: int
     report = {}
     for kind in ("real", "random"):
         rows = _token_rows(kind, source, tokenizer, corpus, 2 * batches, length, rng)
-        feeds_list = [_feeds(source.info.kind, rows[2 * b: 2 * b + 2], names, past) for b in range(batches)]
+        feeds_list = [probe_feeds(source.info.kind, rows[2 * b: 2 * b + 2], names, past) for b in range(batches)]
         ranges = activation_ranges(model, feeds_list)
         risky = flagged(ranges, model, policy)
         low_tensors = [t for t, node in ranges.producer.items() if node in low and t in ranges.total]

@@ -29,9 +29,9 @@ class Unit:
 
 
 def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit]:
-    from trtserve.precision.passes import _name_nodes
+    from trtserve.precision.passes import name_nodes
 
-    _name_nodes(model.graph)
+    name_nodes(model.graph)
     peak_of = {}
     for tensor, node in ranges.producer.items():
         peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
@@ -93,7 +93,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     import numpy as np
 
     from trtserve.precision.overflow import activation_ranges, flagged
-    from trtserve.precision.probe import _feeds
+    from trtserve.precision.probe import probe_feeds
 
     info_kind = "encoder" if harness.report_fn.__name__ == "encoder_report" else "decoder"
     names = [v.name for v in fp32_model.graph.input]
@@ -104,7 +104,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         spec = next(v for v in fp32_model.graph.input if v.name.startswith("past_key_values."))
         dims = spec.type.tensor_type.shape.dim
         past = (dims[1].dim_value, dims[3].dim_value)
-    feeds = [_feeds(info_kind, rows[i: i + 2], names, past) for i in (0, 2)]
+    feeds = [probe_feeds(info_kind, rows[i: i + 2], names, past) for i in (0, 2)]
     ranges = activation_ranges(fp32_model, feeds)
     flags = {f["node"]: f["absmax"] for f in flagged(ranges, fp32_model, get_policy("fp16"))}
     units = candidate_units(fp32_model, ranges, flags)
