@@ -34,9 +34,6 @@ class EngineDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def shape_range(self, axis: str) -> dict:
-        return self.manifest["shapes"][axis]
-
 
 def file_entry(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": sha256_file(path)}

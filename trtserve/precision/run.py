@@ -29,7 +29,8 @@ class Harness:
         self.engine, self.target = engine, target
         self.corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
         self.lengths = lengths_for(engine.manifest["shapes"]["sequence"]["max"])
-        self.report_fn = encoder_report if source.info.kind == "encoder" else decoder_report
+        self.kind = source.info.kind
+        self.report_fn = encoder_report if self.kind == "encoder" else decoder_report
         self.reference = load_torch_model(source, attention="eager")
         self.tokenizer = load_tokenizer(source.path)
 
@@ -46,7 +47,7 @@ class Harness:
                 path = Path(scratch) / "emulation.onnx"
                 onnx.save(graph, str(path))
             backend = OrtBackend(self.engine, graph=path)
-            kwargs = {} if self.report_fn.__name__ == "encoder_report" else {"decode": decode}
+            kwargs = {} if self.kind == "encoder" else {"decode": decode}
             report = self.report_fn(backend, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
                                     **kwargs)
             backend.close()

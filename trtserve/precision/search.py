@@ -95,7 +95,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     from trtserve.precision.overflow import activation_ranges, flagged
     from trtserve.precision.probe import probe_feeds
 
-    info_kind = "encoder" if harness.report_fn.__name__ == "encoder_report" else "decoder"
+    info_kind = harness.kind
     names = [v.name for v in fp32_model.graph.input]
     length = min(probe_length, max(harness.lengths))
     rows = np.array(harness.corpus.rows(harness.tokenizer, 4, length, special=info_kind == "encoder"), np.int64)
