@@ -1,9 +1,10 @@
-"""`trtserve` command line: build-engine, info, fidelity, probe, run. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run. Every flag maps to one config field."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,6 +143,68 @@ def _default_text(kind: str) -> str:
     return " ".join(first.split()[:40]) if kind == "decoder" else first
 
 
+def _env(name: str, default, cast=str):
+    value = os.environ.get(f"TRTSERVE_{name}")
+    return default if value is None else cast(value)
+
+
+def _serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve an engine over HTTP (OpenAI-compatible); every flag is also "
+                           "read from a TRTSERVE_* variable, e.g. TRTSERVE_PORT")
+    serve.add_argument("model", nargs="?", default=_env("MODEL", None),
+                       help="engine directory, or a model (built once into the engine cache)")
+    serve.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=_env("PORT", 8000, int))
+    serve.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", 32, int), help="rows per batch")
+    serve.add_argument("--max-wait-ms", type=float, default=_env("MAX_WAIT_MS", 5.0, float),
+                       help="longest wait to fill a batch")
+    serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
+                       help="rows waiting at most; beyond it requests get 429")
+    serve.add_argument("--api-key", default=_env("API_KEY", None), help="require `Authorization: Bearer KEY`")
+    serve.add_argument("--request-timeout", type=float, default=_env("REQUEST_TIMEOUT", 60.0, float),
+                       help="seconds before a request gets 504")
+    serve.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
+                       help="model name clients use (default: the engine's model id)")
+    serve.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from trtserve.server.app import serve
+    from trtserve.server.config import ServerConfig
+
+    if not args.model:
+        raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL)")
+    for name in ("max_batch", "max_queue", "port"):
+        if getattr(args, name) < 1:
+            raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
+    cfg = ServerConfig(engine_dir=str(_engine_for(args.model)), host=args.host, port=args.port,
+                       max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                       api_key=args.api_key, request_timeout=args.request_timeout,
+                       served_model_name=args.served_model_name)
+    serve(cfg)
+    return 0
+
+
+def _engine_for(model: str) -> Path:
+    """An engine dir as given, or the cached fp32 engine of a model (built on first use)."""
+    from trtserve.engine_builder.artifact import MANIFEST, open_engine_dir
+    from trtserve.errors import EngineDirError
+
+    if (Path(model) / MANIFEST).is_file():
+        return Path(model)
+    from trtserve.engine_builder.build import BuildConfig, build_engine
+    from trtserve.models.sources import cache_root
+
+    target = cache_root() / "engines" / f"{Path(model).name}-fp32"
+    try:
+        open_engine_dir(target)
+        print(f"using the cached engine {target}", file=sys.stderr)
+    except EngineDirError:
+        print(f"building an engine for {model} into {target} (once)", file=sys.stderr)
+        build_engine(BuildConfig(model=model, out=target))
+    return target
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtserve", description="Build and serve Transformer inference engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +226,7 @@ def make_parser() -> argparse.ArgumentParser:
     probe.add_argument("--batches", type=int, default=4, help="batches of 2 sequences per input kind (default 4)")
     probe.add_argument("--report", type=Path, default=None, help="also write the report here (.md, plus .json)")
     probe.set_defaults(func=_cmd_probe)
+    _serve_parser(sub)
     run = sub.add_parser("run", help="run an engine on text: embeddings for encoders, greedy text for decoders")
     run.add_argument("engine_dir", type=Path)
     run.add_argument("--text", action="append", help="input text (repeat for several); default: a Wikipedia paragraph")

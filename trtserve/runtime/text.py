@@ -35,15 +35,23 @@ class TextEngine:
         self.input_names = {spec.name for spec in backend.inputs}
 
     def _batch(self, texts: list[str], add_special_tokens: bool = True):
-        rows = [enc.ids for enc in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        rows = self.tokenize(texts, add_special_tokens)
         longest = max(map(len, rows))
         if longest > self.max_seq:
             raise InputError(f"a text has {longest} tokens, the engine's limit is {self.max_seq}")
         return rows, longest
 
+    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [enc.ids for enc in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def embed(self, texts: list[str]) -> np.ndarray:
         """Mean-pooled, L2-normalised sentence embeddings (B, H)."""
-        rows, longest = self._batch(texts)
+        self._batch(texts)  # length check with a clear message
+        return self.embed_ids(self.tokenize(texts))
+
+    def embed_ids(self, rows: list[list[int]]) -> np.ndarray:
+        """Embeddings of token-id rows, right-padded to the longest row."""
+        longest = max(map(len, rows))
         ids = np.full((len(rows), longest), self.pad_id, dtype=np.int64)
         mask = np.zeros_like(ids)
         for i, row in enumerate(rows):  # right padding for encoders
@@ -53,7 +61,7 @@ class TextEngine:
         if "token_type_ids" in self.input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)
         pooled = self.backend.infer(feeds)["sentence_embedding"]
-        return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+        return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
 
     def complete(self, prompt: str, max_new_tokens: int = 32) -> str:
         """Greedy continuation of one prompt, stopping at end-of-sequence."""

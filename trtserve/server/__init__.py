@@ -1,1 +1,1 @@
-"""HTTP serving (OpenAI-compatible): not part of this version yet."""
+"""OpenAI-compatible HTTP serving: FastAPI app over a dynamically batched backend."""

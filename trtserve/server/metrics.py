@@ -1,0 +1,31 @@
+"""Prometheus metrics of one server (its own registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+
+class Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        fast = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        self.requests = Counter("trtserve_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.queue_size = Gauge("trtserve_queue_size", "rows waiting for a batch", registry=self.registry)
+        self.queue_time = Histogram("trtserve_queue_seconds", "time a row waited in the queue",
+                                    buckets=fast, registry=self.registry)
+        self.batch_size = Histogram("trtserve_batch_size", "rows per batch run by the backend",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
+        self.inference_time = Histogram("trtserve_inference_seconds", "backend time per batch",
+                                        buckets=fast, registry=self.registry)
+        self.latency = Histogram("trtserve_request_seconds", "end-to-end request latency",
+                                 ["route"], buckets=fast, registry=self.registry)
+
+    def observe(self, name: str, value: float) -> None:
+        metric = getattr(self, name)
+        metric.set(value) if name == "queue_size" else metric.observe(value)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

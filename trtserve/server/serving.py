@@ -1,0 +1,98 @@
+"""Embedding serving logic: validation, tokenization, batching, response shapes. No FastAPI here."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+
+from trtserve.server.config import ServerConfig
+from trtserve.server.errors import BadRequest, ModelNotFound, Timeout
+from trtserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, ModelCard, ModelList, Usage
+from trtserve.server.scheduler import DynamicBatcher
+
+
+class EmbeddingService:
+    def __init__(self, cfg: ServerConfig, metrics=None):
+        from trtserve.runtime import load_backend
+        from trtserve.runtime.text import TextEngine
+
+        self.cfg = cfg
+        self.backend = load_backend(cfg.engine_dir)
+        self.text = TextEngine(self.backend)
+        manifest = self.backend.engine.manifest
+        self.kind = manifest["model"]["kind"]
+        self.model_id = cfg.served_model_name or manifest["model"]["id"]
+        self.dim = manifest["model"]["architecture"]["hidden_size"]
+        self.vocab = manifest["model"]["architecture"]["vocab_size"]
+        self.max_seq = self.text.max_seq
+        self.created = int(time.time())
+        engine_max = manifest["shapes"]["batch"]["max"]
+        self.batcher = DynamicBatcher(self.text.embed_ids, min(cfg.max_batch, engine_max), cfg.max_wait_ms,
+                                      cfg.max_queue, metrics)
+        self.last_probe_ok = 0.0
+
+    async def start(self) -> None:
+        self.batcher.start()
+        await self.probe()  # warm up: the server reports ready only after a real inference
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+        self.backend.close()
+
+    async def probe(self) -> None:
+        await self.batcher.submit(self.text.tokenize(["health probe"])[0])
+        self.last_probe_ok = time.monotonic()
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
+
+    def rows(self, request: EmbeddingRequest) -> list[list[int]]:
+        if request.model != self.model_id:
+            raise ModelNotFound(f"The model `{request.model}` does not exist; this server serves `{self.model_id}`",
+                                param="model", code="model_not_found")
+        if self.kind != "encoder":
+            raise BadRequest(f"`{self.model_id}` is a decoder engine; embeddings need an encoder", param="model")
+        if request.dimensions is not None and request.dimensions != self.dim:
+            raise BadRequest(f"`{self.model_id}` returns {self.dim} dimensions and cannot shorten them; "
+                             f"omit `dimensions` or set it to {self.dim}", param="dimensions")
+        items = request.input
+        if isinstance(items, str) or (isinstance(items, list) and items and isinstance(items[0], int)):
+            items = [items]
+        if not items:
+            raise BadRequest("`input` is empty: give a string, a list of strings or token arrays", param="input")
+        texts = [i for i in items if isinstance(i, str)]
+        if any(not t for t in texts):
+            raise BadRequest("`input` contains an empty string", param="input")
+        rows = [r for r in items if isinstance(r, list)]
+        if texts and rows:
+            raise BadRequest("`input` mixes strings and token arrays", param="input")
+        if rows:
+            if any(not r for r in rows) or any(not 0 <= t < self.vocab for r in rows for t in r):
+                raise BadRequest(f"token arrays must be non-empty with ids in [0, {self.vocab})", param="input")
+        else:
+            rows = self.text.tokenize(texts)
+        longest = max(map(len, rows))
+        if longest > self.max_seq:
+            raise BadRequest(f"an input has {longest} tokens; this engine's limit is {self.max_seq} tokens",
+                             param="input", code="context_length_exceeded")
+        return rows
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        rows = self.rows(request)
+        try:
+            vectors = await asyncio.wait_for(asyncio.gather(*(self.batcher.submit(r) for r in rows)),
+                                             self.cfg.request_timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"the request took longer than {self.cfg.request_timeout:g} s") from None
+        data = [Embedding(index=i, embedding=_encode(v, request.encoding_format)) for i, v in enumerate(vectors)]
+        tokens = sum(map(len, rows))
+        return EmbeddingResponse(data=data, model=self.model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def _encode(vector: np.ndarray, encoding: str):
+    if encoding == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return [float(x) for x in vector]
