@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -165,3 +166,27 @@ def test_concurrent_requests_are_batched_and_a_full_queue_answers_429(minilm_eng
     finally:
         stop_server(proc)
     assert proc.returncode == 0  # SIGTERM shuts the server down cleanly
+
+
+def test_schemathesis_finds_no_server_error(server):
+    """Property-based requests generated from the server's own OpenAPI schema: never a 5xx."""
+    require_package("schemathesis", "pip install schemathesis")
+    st = Path(sys.executable).with_name("st")
+    result = subprocess.run(
+        [str(st), "run", f"{server}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "30",
+         "--seed", "1", "-H", f"Authorization: Bearer {KEY}"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout.split("Test cases:")[-1]
+
+
+def test_request_timeout_is_504(minilm_engine):
+    proc, url = start_server(minilm_engine, "--request-timeout", "0.001")
+    try:
+        body = {"model": "all-MiniLM-L6-v2", "input": ["Anarchism is a political philosophy. " * 60] * 8}
+        response = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
+        assert response.status_code == 504
+        assert "longer than 0.001 s" in response.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 200  # the server keeps serving
+    finally:
+        stop_server(proc)
