@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,12 +37,16 @@ def free_port() -> int:
 
 def start_server(engine, *flags):
     port = free_port()
+    # The log goes to a file: an unread pipe fills up after a few hundred access-log lines and
+    # then blocks the server.
+    log = tempfile.NamedTemporaryFile("w+", prefix="trtserve-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = Path(log.name)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
@@ -58,6 +63,8 @@ def stop_server(proc):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
+    proc.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ def quiet_libraries() -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"torch\.onnx.*")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(torch|transformers).*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|transformers|copyreg).*")
 
 
 def load_torch_model(source: ModelSource, attention: str | None = None):

@@ -40,11 +40,11 @@ def decoder_output_names(num_layers: int) -> list[str]:
 
 
 def encoder_graph(model):
-    return _classes()[0](model)
+    return _classes()[0](model).eval()
 
 
 def decoder_graph(model):
-    return _classes()[1](model)
+    return _classes()[1](model).eval()
 
 
 @lru_cache(maxsize=1)

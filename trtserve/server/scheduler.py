@@ -50,16 +50,32 @@ class DynamicBatcher:
         batch = [await self.queue.get()]
         deadline = time.perf_counter() + self.max_wait
         while len(batch) < self.max_batch:
+            if not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+                continue
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 and self.queue.empty():
+            if remaining <= 0:
                 break
-            try:
-                batch.append(self.queue.get_nowait() if remaining <= 0 else
-                             await asyncio.wait_for(self.queue.get(), remaining))
-            except (asyncio.TimeoutError, asyncio.QueueEmpty):
+            item = await self._get_within(remaining)
+            if item is None:
                 break
+            batch.append(item)
         # callers that timed out or went away are dropped before any work is done for them
         return [item for item in batch if not item.future.done()]
+
+    async def _get_within(self, seconds: float) -> _Item | None:
+        """The next item if one arrives within `seconds`. Not asyncio.wait_for(queue.get()):
+        on Python 3.11 a get that completes as the timeout fires is lost with it, and its
+        caller would wait forever."""
+        getter = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({getter}, timeout=seconds)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        try:
+            return await getter  # it may have completed just before the cancel
+        except asyncio.CancelledError:
+            return None
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
