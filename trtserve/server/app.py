@@ -9,7 +9,7 @@ import time
 from contextlib import asynccontextmanager
 
 from trtserve.server.config import ServerConfig
-from trtserve.server.errors import BadRequest, ServingError, Unauthorized, Unavailable
+from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
 from trtserve.server.protocol import EmbeddingRequest, ErrorBody, ErrorResponse
 
 log = logging.getLogger("trtserve.server")
@@ -67,9 +67,8 @@ def build_app(cfg: ServerConfig):
                                                    code="invalid_api_key"))
         size = request.headers.get("content-length")
         if size and size.isdigit() and int(size) > cfg.max_body_bytes:
-            too_large = BadRequest(f"the request body has {size} bytes; the limit is {cfg.max_body_bytes}")
-            too_large.status = 413
-            return error_response(too_large)
+            return error_response(
+                PayloadTooLarge(f"the request body has {size} bytes; the limit is {cfg.max_body_bytes}"))
         return await call_next(request)
 
     @app.exception_handler(ServingError)
@@ -87,9 +86,7 @@ def build_app(cfg: ServerConfig):
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
-        error = ServingError(str(exc.detail))
-        error.status, error.type = exc.status_code, "invalid_request_error"
-        return error_response(error)
+        return error_response(ServingError(str(exc.detail), status=exc.status_code))
 
     @app.get("/v1/models")
     async def models():

@@ -7,13 +7,20 @@ class ServingError(Exception):
     status = 500
     type = "internal_error"
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int | None = None):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
+        if status is not None:  # an HTTP error raised by the framework itself (404 route, 405 method)
+            self.status, self.type = status, "invalid_request_error"
 
 
 class BadRequest(ServingError):
     status, type = 400, "invalid_request_error"
+
+
+class PayloadTooLarge(ServingError):
+    status, type = 413, "invalid_request_error"
 
 
 class Unauthorized(ServingError):
