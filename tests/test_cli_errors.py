@@ -91,3 +91,40 @@ def test_info_on_a_damaged_engine(tmp_path):
     result = run_cli("info", str(engine))
     assert_clean_failure(result, engine, "model.onnx is missing")
     assert "trtserve build-engine X --out e" in result.stderr
+
+
+def _parser_running(func):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=func)
+    return parser
+
+
+def test_interrupt_inside_a_native_import_exits_130(capsys):
+    from trtserve.cli import _run
+
+    def interrupted_import(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    assert _run(_parser_running(interrupted_import), []) == 130
+    assert "interrupted: nothing was written" in capsys.readouterr().err
+
+
+def test_unexpected_exception_is_one_line_not_a_traceback(capsys, monkeypatch):
+    from trtserve.cli import _run
+
+    monkeypatch.delenv("TRTSERVE_DEBUG", raising=False)
+
+    def broken(args):
+        raise ValueError("boom")
+
+    assert _run(_parser_running(broken), []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: unexpected ValueError: boom") and "TRTSERVE_DEBUG=1" in err
+    monkeypatch.setenv("TRTSERVE_DEBUG", "1")
+    with pytest.raises(ValueError):
+        _run(_parser_running(broken), [])

@@ -247,6 +247,28 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # Ctrl-C inside a native import surfaces as e.g. ImportError raised from KeyboardInterrupt.
+        if _caused_by_interrupt(exc):
+            print("interrupted: nothing was written", file=sys.stderr)
+            return 130
+        if os.environ.get("TRTSERVE_DEBUG"):
+            raise
+        print(f"error: unexpected {type(exc).__name__}: {exc}\n"
+              "this is a bug in trtserve; rerun with TRTSERVE_DEBUG=1 for the traceback and report it",
+              file=sys.stderr)
+        return 1
+
+
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
