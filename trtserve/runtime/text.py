@@ -16,17 +16,23 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def load_tokenizer(engine_path: Path):
+    """The engine's tokenizer, with padding and truncation off: we pad, and never truncate silently."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(engine_path) / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
 class TextEngine:
     """Tokenizer + backend for one engine dir."""
 
     def __init__(self, backend: Backend):
-        from tokenizers import Tokenizer
-
         self.backend = backend
         path = backend.engine.path
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
+        self.tokenizer = load_tokenizer(path)
         config = _json(path / "config.json") | _json(path / "generation_config.json")
         eos = config.get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -8,6 +8,8 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
+from starlette.requests import Request
+
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
 from trtserve.server.protocol import EmbeddingRequest, ErrorBody, ErrorResponse
@@ -26,7 +28,7 @@ def error_response(exc: ServingError):
 
 
 def build_app(cfg: ServerConfig):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import Response
     from starlette.exceptions import HTTPException
@@ -49,27 +51,7 @@ def build_app(cfg: ServerConfig):
         await service.stop()
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        started = time.perf_counter()
-        response = await _guarded(request, call_next)
-        route = request.url.path
-        metrics.requests.labels(route=route, status=str(response.status_code)).inc()
-        metrics.latency.labels(route=route).observe(time.perf_counter() - started)
-        return response
-
-    async def _guarded(request: Request, call_next):
-        if request.url.path not in OPEN_PATHS and cfg.api_key:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
-                return error_response(Unauthorized("invalid or missing API key: send `Authorization: Bearer <key>`",
-                                                   code="invalid_api_key"))
-        size = request.headers.get("content-length")
-        if size and size.isdigit() and int(size) > cfg.max_body_bytes:
-            return error_response(
-                PayloadTooLarge(f"the request body has {size} bytes; the limit is {cfg.max_body_bytes}"))
-        return await call_next(request)
+    app.add_middleware(Guard, cfg=cfg, metrics=metrics)
 
     @app.exception_handler(ServingError)
     async def serving_error(request, exc: ServingError):
@@ -93,17 +75,22 @@ def build_app(cfg: ServerConfig):
         return state["service"].models()
 
     @app.post("/v1/embeddings")
-    async def embeddings(request: EmbeddingRequest):
+    async def embeddings(request: EmbeddingRequest, raw: Request):
         if request.model_extra:
             log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-        return await state["service"].embed(request)
+        return await _unless_disconnected(raw, state["service"].embed(request), metrics)
 
     @app.get("/health")
     async def health():
         service = state.get("service")
-        if service is None or time.monotonic() - service.last_probe_ok > 3 * PROBE_EVERY:
-            return error_response(Unavailable("the backend has not answered a probe recently"))
-        return {"status": "ok", "model": service.model_id}
+        if service is None:
+            return error_response(Unavailable("the server is starting"))
+        workers = service.pool.status()
+        if not service.healthy(3 * PROBE_EVERY):
+            down = [w["index"] for w in workers if not w["ready"]]
+            why = f"worker(s) {down} are restarting" if down else "a worker has not answered a probe recently"
+            return error_response(Unavailable(why))
+        return {"status": "ok", "model": service.model_id, "workers": workers}
 
     @app.get("/metrics")
     async def prometheus():
@@ -111,6 +98,95 @@ def build_app(cfg: ServerConfig):
         return Response(body, media_type=content_type)
 
     return app
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def _unless_disconnected(raw, work, metrics):
+    """Await `work` unless the client disconnects first; then cancel it, which drops its queued rows."""
+    from fastapi.responses import Response
+
+    work = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    metrics.disconnects.inc()
+    log.info("client disconnected; its queued work was dropped")
+    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+
+async def _disconnected(raw) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Guard:
+    """ASGI middleware (not BaseHTTPMiddleware, which costs a task per request and hides disconnects):
+    API key, body size limit (Content-Length or counted while streaming), request metrics."""
+
+    def __init__(self, app, cfg: ServerConfig, metrics):
+        self.app, self.cfg, self.metrics = app, cfg, metrics
+        self.expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, route, status = time.perf_counter(), scope["path"], [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            rejected = self._reject(scope)
+            if rejected is not None:
+                return await error_response(rejected)(scope, receive, send_status)
+            try:
+                await self.app(scope, self._counting(receive), send_status)
+            except _TooLarge:
+                limit = self.cfg.max_body_bytes
+                await error_response(PayloadTooLarge(f"the request body is over the limit of {limit} bytes"))(
+                    scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(route=route, status=str(status[0])).inc()
+            self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
+
+    def _reject(self, scope) -> ServingError | None:
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return Unauthorized("invalid or missing API key: send `Authorization: Bearer <key>`",
+                                    code="invalid_api_key")
+        size = headers.get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.cfg.max_body_bytes:
+            return PayloadTooLarge(f"the request body has {int(size)} bytes; the limit is {self.cfg.max_body_bytes}")
+        return None
+
+    def _counting(self, receive):
+        seen = [0]
+
+        async def counted():
+            message = await receive()
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > self.cfg.max_body_bytes:
+                raise _TooLarge
+            return message
+
+        return counted
+
+
+class _TooLarge(BaseException):
+    """A BaseException so that the framework's body parser, which turns any Exception into a 400,
+    lets it through to Guard, which answers 413."""
 
 
 async def _probe_forever(service) -> None:
@@ -126,6 +202,11 @@ def serve(cfg: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then finish in-flight requests and return (exit code 0)."""
     import uvicorn
 
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+    logging.getLogger("trtserve").addHandler(handler)
+    logging.getLogger("trtserve").setLevel(logging.INFO)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # uvicorn re-raises a captured signal after its graceful shutdown, which makes the
@@ -133,4 +214,5 @@ def serve(cfg: ServerConfig) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
-    Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level="info")).run()
+    Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level="info",
+                          timeout_graceful_shutdown=cfg.drain_timeout)).run()

@@ -10,10 +10,28 @@ class ServerConfig:
     engine_dir: str
     host: str = "127.0.0.1"
     port: int = 8000
+    workers: int | None = None  # None: one per GPU, else one; 0: run the backend in the server process
     max_batch: int = 32
+    max_batch_tokens: int = 16384  # padded tokens per batch (rows x longest row)
     max_wait_ms: float = 5.0
     max_queue: int = 256
     api_key: str | None = None
     request_timeout: float = 60.0
+    drain_timeout: float = 30.0
     max_body_bytes: int = 2 * 1024 * 1024
     served_model_name: str | None = None
+
+
+def placement(workers: int | None) -> tuple[int, list[int | None], int | None, str]:
+    """(worker count, device per worker slot, CPU threads per worker, why) for this machine."""
+    from trtserve.runtime.base import available_cores
+    from trtserve.runtime.devices import cuda_devices
+
+    gpus, reason = cuda_devices()
+    if gpus:
+        count = gpus if workers is None else workers
+        return count, list(range(gpus)), None, f"{gpus} CUDA device(s): worker i runs on GPU i mod {gpus}"
+    count = 1 if workers is None else workers
+    threads = max(1, available_cores() // max(count, 1))
+    where = "in the server process" if count == 0 else f"{count} process(es)"
+    return count, [None], threads, f"{reason}; CPU workers {where}, {threads} thread(s) each"

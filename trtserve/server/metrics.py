@@ -18,12 +18,24 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
         self.inference_time = Histogram("trtserve_inference_seconds", "backend time per batch",
                                         buckets=fast, registry=self.registry)
+        self.dropped_rows = Counter("trtserve_dropped_rows", "queued rows dropped because their caller "
+                                    "timed out or disconnected", registry=self.registry)
+        self.disconnects = Counter("trtserve_client_disconnects", "requests whose client went away before "
+                                   "the answer", registry=self.registry)
+        self.workers_ready = Gauge("trtserve_workers_ready", "workers ready to take batches", registry=self.registry)
+        self.worker_restarts = Counter("trtserve_worker_restarts", "worker processes restarted after dying",
+                                       registry=self.registry)
         self.latency = Histogram("trtserve_request_seconds", "end-to-end request latency",
                                  ["route"], buckets=fast, registry=self.registry)
 
     def observe(self, name: str, value: float) -> None:
         metric = getattr(self, name)
-        metric.set(value) if name == "queue_size" else metric.observe(value)
+        if name == "queue_size":
+            metric.set(value)
+        elif name == "dropped_rows":
+            metric.inc(value)
+        else:
+            metric.observe(value)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -1,13 +1,15 @@
-"""Dynamic batching in front of one backend: a bounded queue, batches of up to max_batch rows
-collected for at most max_wait_ms, run off the event loop, results routed back to each caller."""
+"""Dynamic batching in front of the workers: a bounded queue; batches of up to max_batch rows and
+max_tokens padded tokens, collected for at most max_wait_ms; up to `concurrency` batches in flight
+(one per worker); results routed back to each caller. A caller that has gone (timeout, client
+disconnect) is dropped before any work is done for it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from trtserve.server.errors import Overloaded
 
@@ -20,12 +22,17 @@ class _Item:
 
 
 class DynamicBatcher:
-    def __init__(self, run_batch: Callable, max_batch: int, max_wait_ms: float, max_queue: int, metrics=None):
+    def __init__(self, run_batch: Callable[[list[list[int]]], Awaitable[list]], max_batch: int,
+                 max_wait_ms: float, max_queue: int, max_tokens: int | None = None, concurrency: int = 1,
+                 metrics=None):
         self.run_batch, self.max_batch, self.max_wait = run_batch, max_batch, max_wait_ms / 1000
+        self.max_tokens = max_tokens
         self.queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=max_queue)
         self.metrics = metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trtserve-backend")
+        self._held: deque[_Item] = deque()  # taken from the queue but over the last batch's token budget
+        self._slots = asyncio.Semaphore(concurrency)
         self._task: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -34,34 +41,60 @@ class DynamicBatcher:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    def waiting(self) -> int:
+        return self.queue.qsize() + len(self._held)
 
     async def submit(self, row: list[int]):
         """Queue one row; return its result. Raises Overloaded when the queue is full."""
-        item = _Item(row, asyncio.get_running_loop().create_future())
-        try:
+        return (await self.submit_many([row]))[0]
+
+    async def submit_many(self, rows: list[list[int]]) -> list:
+        """Queue all rows or none (Overloaded when they do not fit); return their results in order.
+        Cancelling the caller cancels the rows, which are then dropped unrun."""
+        if self.queue.maxsize - self.queue.qsize() < len(rows):
+            raise Overloaded(f"the queue is full: it cannot take {len(rows)} more rows ({self.queue.qsize()} of "
+                             f"{self.queue.maxsize} waiting); retry shortly")
+        loop = asyncio.get_running_loop()
+        items = [_Item(row, loop.create_future()) for row in rows]
+        for item in items:
             self.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            raise Overloaded(f"the queue is full ({self.queue.maxsize} waiting); retry shortly") from None
-        self._observe("queue_size", self.queue.qsize())
-        return await item.future
+        self._observe("queue_size", self.waiting())
+        return await asyncio.gather(*(item.future for item in items))
+
+    def _next_nowait(self) -> _Item | None:
+        if self._held:
+            return self._held.popleft()
+        return None if self.queue.empty() else self.queue.get_nowait()
+
+    def _fits(self, batch: list[_Item], item: _Item) -> bool:
+        if self.max_tokens is None:
+            return True
+        longest = max(len(item.row), *(len(i.row) for i in batch))
+        return (len(batch) + 1) * longest <= self.max_tokens  # rows are padded to the longest
 
     async def _collect(self) -> list[_Item]:
-        batch = [await self.queue.get()]
+        first = self._next_nowait() or await self.queue.get()
+        batch = [first]
         deadline = time.perf_counter() + self.max_wait
         while len(batch) < self.max_batch:
-            if not self.queue.empty():
-                batch.append(self.queue.get_nowait())
-                continue
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                break
-            item = await self._get_within(remaining)
+            item = self._next_nowait()
             if item is None:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                item = await self._get_within(remaining)
+                if item is None:
+                    break
+            if not self._fits(batch, item):
+                self._held.appendleft(item)  # first in the next batch
                 break
             batch.append(item)
-        # callers that timed out or went away are dropped before any work is done for them
-        return [item for item in batch if not item.future.done()]
+        live = [item for item in batch if not item.future.done()]
+        if len(live) < len(batch):
+            self._observe("dropped_rows", len(batch) - len(live))
+        return live
 
     async def _get_within(self, seconds: float) -> _Item | None:
         """The next item if one arrives within `seconds`. Not asyncio.wait_for(queue.get()):
@@ -78,28 +111,38 @@ class DynamicBatcher:
             return None
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
+            await self._slots.acquire()  # collect only when a worker can take the batch
             batch = await self._collect()
-            self._observe("queue_size", self.queue.qsize())
+            self._observe("queue_size", self.waiting())
             if not batch:
+                self._slots.release()
                 continue
-            now = time.perf_counter()
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._slots.release()
+
+    async def _run(self, batch: list[_Item]) -> None:
+        now = time.perf_counter()
+        for item in batch:
+            self._observe("queue_time", now - item.enqueued)
+        self._observe("batch_size", len(batch))
+        try:
+            started = time.perf_counter()
+            results = await self.run_batch([i.row for i in batch])
+            self._observe("inference_time", time.perf_counter() - started)
+        except Exception as exc:  # the batch failed: every caller in it gets the error
             for item in batch:
-                self._observe("queue_time", now - item.enqueued)
-            self._observe("batch_size", len(batch))
-            try:
-                started = time.perf_counter()
-                results = await loop.run_in_executor(self._executor, self.run_batch, [i.row for i in batch])
-                self._observe("inference_time", time.perf_counter() - started)
-            except Exception as exc:  # the backend failed: every caller in the batch gets the error
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                continue
-            for item, result in zip(batch, results):
                 if not item.future.done():
-                    item.future.set_result(result)
+                    item.future.set_exception(exc)
+            return
+        for item, result in zip(batch, results):
+            if not item.future.done():
+                item.future.set_result(result)
 
     def _observe(self, name: str, value: float) -> None:
         if self.metrics is not None:

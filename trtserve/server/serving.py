@@ -4,47 +4,63 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 
 import numpy as np
 
-from trtserve.server.config import ServerConfig
+from trtserve.server.config import ServerConfig, placement
 from trtserve.server.errors import BadRequest, ModelNotFound, Timeout
 from trtserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, ModelCard, ModelList, Usage
 from trtserve.server.scheduler import DynamicBatcher
+from trtserve.server.workers import WorkerPool
+
+log = logging.getLogger("trtserve.server")
 
 
 class EmbeddingService:
+    """Validation and tokenization here; the backend runs in the workers, fed by one batcher."""
+
     def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.runtime import load_backend
-        from trtserve.runtime.text import TextEngine
+        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.runtime.text import load_tokenizer
 
         self.cfg = cfg
-        self.backend = load_backend(cfg.engine_dir)
-        self.text = TextEngine(self.backend)
-        manifest = self.backend.engine.manifest
+        engine = open_engine_dir(cfg.engine_dir, verify=False)  # every worker verifies it
+        self.tokenizer = load_tokenizer(engine.path)
+        manifest = engine.manifest
         self.kind = manifest["model"]["kind"]
         self.model_id = cfg.served_model_name or manifest["model"]["id"]
         self.dim = manifest["model"]["architecture"]["hidden_size"]
         self.vocab = manifest["model"]["architecture"]["vocab_size"]
-        self.max_seq = self.text.max_seq
+        self.max_seq = manifest["shapes"]["sequence"]["max"]
         self.created = int(time.time())
+        count, devices, threads, why = placement(cfg.workers)
+        log.info("workers: %s", why)
+        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics)
         engine_max = manifest["shapes"]["batch"]["max"]
-        self.batcher = DynamicBatcher(self.text.embed_ids, min(cfg.max_batch, engine_max), cfg.max_wait_ms,
-                                      cfg.max_queue, metrics)
-        self.last_probe_ok = 0.0
+        self.batcher = DynamicBatcher(self.pool.run, min(cfg.max_batch, engine_max), cfg.max_wait_ms, cfg.max_queue,
+                                      max_tokens=max(cfg.max_batch_tokens, self.max_seq),
+                                      concurrency=len(self.pool.workers), metrics=metrics)
+        self._probe_rows = [self.tokenize(["health probe"])[0]]
 
     async def start(self) -> None:
+        await self.pool.start()
         self.batcher.start()
-        await self.probe()  # warm up: the server reports ready only after a real inference
+        await self.probe()  # warm up: the server reports ready only after a real inference on every worker
 
     async def stop(self) -> None:
         await self.batcher.stop()
-        self.backend.close()
+        await self.pool.stop()
 
     async def probe(self) -> None:
-        await self.batcher.submit(self.text.tokenize(["health probe"])[0])
-        self.last_probe_ok = time.monotonic()
+        await self.pool.probe(self._probe_rows)
+
+    def healthy(self, within: float) -> bool:
+        return self.pool.healthy(within)
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [enc.ids for enc in self.tokenizer.encode_batch(texts)]
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
@@ -73,7 +89,10 @@ class EmbeddingService:
             if any(not r for r in rows) or any(not 0 <= t < self.vocab for r in rows for t in r):
                 raise BadRequest(f"token arrays must be non-empty with ids in [0, {self.vocab})", param="input")
         else:
-            rows = self.text.tokenize(texts)
+            rows = self.tokenize(texts)
+        if len(rows) > self.cfg.max_queue:
+            raise BadRequest(f"`input` has {len(rows)} items; this server queues at most {self.cfg.max_queue} "
+                             "(--max-queue): split the request", param="input")
         longest = max(map(len, rows))
         if longest > self.max_seq:
             raise BadRequest(f"an input has {longest} tokens; this engine's limit is {self.max_seq} tokens",
@@ -82,11 +101,16 @@ class EmbeddingService:
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
         rows = self.rows(request)
+        # queued shortest first, so that the batches a long input list is cut into pad less
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         try:
-            vectors = await asyncio.wait_for(asyncio.gather(*(self.batcher.submit(r) for r in rows)),
+            results = await asyncio.wait_for(self.batcher.submit_many([rows[i] for i in order]),
                                              self.cfg.request_timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"the request took longer than {self.cfg.request_timeout:g} s") from None
+        vectors = [None] * len(rows)
+        for i, vector in zip(order, results):
+            vectors[i] = vector
         data = [Embedding(index=i, embedding=_encode(v, request.encoding_format)) for i, v in enumerate(vectors)]
         tokens = sum(map(len, rows))
         return EmbeddingResponse(data=data, model=self.model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))

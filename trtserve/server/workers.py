@@ -1,0 +1,238 @@
+"""Workers that own a backend each: processes (one per GPU, pinned with CUDA_VISIBLE_DEVICES, or N on
+the CPU) or, with --workers 0, the server process itself. Batches go to the ready worker with the
+least outstanding rows; a supervisor restarts a worker process that dies, and the batches it held
+fail with 503 instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from trtserve.server.errors import ServingError, Unavailable
+
+log = logging.getLogger("trtserve.server")
+LOAD_TIMEOUT = 300.0
+RESTART_BACKOFF = (0.5, 1, 2, 5, 10, 30)
+
+
+class WorkerError(ServingError):
+    """The backend raised while running a batch."""
+
+
+def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None) -> None:
+    """Body of a worker process: load the engine, then answer ("embed", rows) until told to stop."""
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops its workers
+    try:
+        text = _load(engine_dir, threads)
+    except Exception as exc:  # reported to the server, which refuses to start with this message
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            op, payload = conn.recv()
+        except (EOFError, OSError):  # the server is gone
+            break
+        if op == "stop":
+            break
+        try:
+            conn.send(("ok", text.embed_ids(payload)))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    text.backend.close()
+
+
+def _load(engine_dir: str, threads: int | None):
+    from trtserve.runtime import load_backend
+    from trtserve.runtime.text import TextEngine
+
+    return TextEngine(load_backend(engine_dir, threads=threads))
+
+
+class Worker:
+    """One backend owner. Calls run one at a time on its own thread, so one batch is in flight."""
+
+    def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool):
+        self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trtserve-worker-{index}")
+        self.outstanding = 0  # rows sent and not yet answered
+        self.ready = False
+        self.restarts = 0
+        self.last_probe_ok = 0.0
+        self.proc = self.conn = self.text = None
+
+    @property
+    def pid(self) -> int | None:
+        if self.inline:
+            return os.getpid()
+        return self.proc.pid if self.proc is not None else None
+
+    def load(self) -> None:
+        """Start the process (or load in this one) and wait until the engine is loaded. Blocking."""
+        if self.inline:
+            self.text = _load(self.engine_dir, self.threads)
+            self.ready = True
+            return
+        if self.conn is not None:  # the pipe of a process that died
+            self.conn.close()
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads or a GPU context
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child, self.engine_dir, self.device, self.threads),
+                           name=f"trtserve-worker-{self.index}", daemon=True)
+        proc.start()
+        child.close()  # so that the worker's death reads as EOF here
+        try:
+            if not parent.poll(LOAD_TIMEOUT):
+                raise RuntimeError(f"worker {self.index} did not load the engine within {LOAD_TIMEOUT:g} s")
+            status, info = parent.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"worker {self.index} exited (code {proc.exitcode}) while loading the engine") from None
+        except BaseException:
+            proc.kill()
+            raise
+        if status != "ready":
+            proc.join(5)
+            raise RuntimeError(f"worker {self.index} could not load the engine: {info}")
+        self.proc, self.conn, self.ready = proc, parent, True
+
+    def call(self, rows: list[list[int]]):
+        """Run one batch on this worker. Blocking; runs on the worker's own thread."""
+        if self.inline:
+            return self.text.embed_ids(rows)
+        conn = self.conn
+        if not self.ready or conn is None:
+            raise Unavailable(f"worker {self.index} is restarting; retry the request")
+        try:
+            conn.send(("embed", rows))
+            status, value = conn.recv()
+        except (EOFError, OSError):
+            raise Unavailable(f"worker {self.index} stopped while running this request; retry it") from None
+        if status == "error":
+            raise WorkerError(f"the backend failed on this batch: {value}")
+        return value
+
+    def died(self) -> bool:
+        return self.ready and self.proc is not None and not self.proc.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Blocking: ask the process to exit, kill it if it does not."""
+        self.ready = False
+        if self.inline:
+            if self.text is not None:
+                self.text.backend.close()
+            return
+        if self.proc is None:
+            return
+        try:
+            self.conn.send(("stop", None))
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+class WorkerPool:
+    def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None):
+        inline = workers == 0
+        count = max(workers, 1)
+        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline) for i in range(count)]
+        self.metrics = metrics
+        self._supervisor: asyncio.Task | None = None
+        self._restarting: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(loop.run_in_executor(w.executor, w.load) for w in self.workers),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.stop()
+            raise failed[0]
+        self._gauge()
+        self._supervisor = loop.create_task(self._supervise())
+
+    async def stop(self) -> None:
+        if self._supervisor:
+            self._supervisor.cancel()
+        for task in self._restarting:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, w.stop) for w in self.workers), return_exceptions=True)
+        for w in self.workers:
+            w.executor.shutdown(wait=False)
+
+    def pick(self) -> Worker:
+        ready = [w for w in self.workers if w.ready]
+        if not ready:
+            raise Unavailable(f"no worker is ready ({len(self.workers)} restarting); retry shortly")
+        return min(ready, key=lambda w: w.outstanding)
+
+    async def run(self, rows: list[list[int]], worker: Worker | None = None):
+        worker = worker or self.pick()
+        worker.outstanding += len(rows)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(worker.executor, worker.call, rows)
+        finally:
+            worker.outstanding -= len(rows)
+
+    async def probe(self, rows: list[list[int]]) -> None:
+        """Run a real batch on every ready worker; each success refreshes that worker's probe time."""
+        for w in [w for w in self.workers if w.ready]:
+            try:
+                await self.run(rows, w)
+                w.last_probe_ok = time.monotonic()
+            except Exception as exc:
+                log.warning("worker %d failed its health probe: %s", w.index, exc)
+
+    def healthy(self, within: float) -> bool:
+        now = time.monotonic()
+        return all(w.ready and now - w.last_probe_ok <= within for w in self.workers)
+
+    def status(self) -> list[dict]:
+        return [{"index": w.index, "pid": w.pid, "device": w.device, "ready": w.ready,
+                 "outstanding_rows": w.outstanding, "restarts": w.restarts} for w in self.workers]
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            for w in self.workers:
+                if w.died():
+                    w.ready = False
+                    log.error("worker %d (pid %d) died with exit code %s; restarting it",
+                              w.index, w.proc.pid, w.proc.exitcode)
+                    self._gauge()
+                    task = asyncio.get_running_loop().create_task(self._restart(w))
+                    self._restarting.add(task)
+                    task.add_done_callback(self._restarting.discard)
+
+    async def _restart(self, w: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        for attempt in range(10**9):
+            try:
+                # on the worker's own thread: the calls queued behind the dead one fail with 503 first
+                await loop.run_in_executor(w.executor, w.load)
+                break
+            except Exception as exc:
+                wait = RESTART_BACKOFF[min(attempt, len(RESTART_BACKOFF) - 1)]
+                log.error("worker %d failed to restart (%s); next try in %g s", w.index, exc, wait)
+                await asyncio.sleep(wait)
+        w.restarts += 1
+        if self.metrics is not None:
+            self.metrics.worker_restarts.inc()
+        self._gauge()
+        log.info("worker %d restarted as pid %d", w.index, w.pid)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.workers_ready.set(sum(w.ready for w in self.workers))
