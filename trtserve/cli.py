@@ -1,4 +1,4 @@
-"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, doctor. Every flag maps to one config field."""
 
 from __future__ import annotations
 
@@ -25,8 +25,19 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="override targets, e.g. cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005")
     parser.add_argument("--allow-low-fidelity", action="store_true",
                         help="write the engine even if it misses the fidelity target")
-    parser.add_argument("--backend", default="auto", choices=["auto", "onnxruntime"],
-                        help="engine backend; auto says which it picked and why")
+    parser.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
+                        help="engine backend; auto says which it picked and why (tensorrt where TensorRT and a "
+                        "GPU are found). tensorrt adds a TensorRT plan beside the ONNX Runtime graph")
+    trt = parser.add_argument_group("TensorRT (with --backend tensorrt)")
+    trt.add_argument("--workspace-mib", type=int, default=None, help="memory-pool limit for tactics (MiB)")
+    trt.add_argument("--timing-cache", type=Path, default=None,
+                     help="persistent timing cache file (default: one per TensorRT version in the cache dir)")
+    trt.add_argument("--version-compatible", action="store_true", help="plan loadable by later TensorRT versions")
+    trt.add_argument("--hardware-compatibility", default="none",
+                     choices=["none", "ampere_plus", "same_compute_capability"],
+                     help="full TensorRT: build for a family of GPUs instead of this one")
+    trt.add_argument("--compute-capability", action="append", default=[],
+                     help="TensorRT-RTX: a target GPU, e.g. 8.6 (repeat for several; default: portable)")
     parser.add_argument("--max-batch", type=int, default=32, help="largest batch the engine accepts (default 32)")
     parser.add_argument("--max-seq", type=int, default=None,
                         help="longest sequence (decoders: prompt + generated) the engine accepts; "
@@ -50,11 +61,31 @@ def _cmd_build(args: argparse.Namespace) -> int:
         raise TrtServeError(f"--fidelity-target {args.fidelity_target!r}: {exc}") from None
     cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
                       max_batch=args.max_batch, max_seq=args.max_seq, calibration=args.calibration,
-                      fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity)
+                      fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity,
+                      trt=_trt_options(args))
     engine = build_engine(cfg)
     print(f"engine written to {engine.path}")
     print(f"fidelity vs torch fp32 ({engine.manifest['precision']['policy']}): {summary(engine.manifest['fidelity'])}")
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from trtserve.doctor import render, report
+
+    facts = report()
+    print(json.dumps(facts, indent=2) if args.json else render(facts))
+    return 0
+
+
+def _trt_options(args: argparse.Namespace):
+    from trtserve.engine_builder.tensorrt import TrtOptions
+
+    if args.workspace_mib is not None and args.workspace_mib < 1:
+        raise TrtServeError(f"--workspace-mib must be at least 1, got {args.workspace_mib}")
+    return TrtOptions(workspace_mib=args.workspace_mib, timing_cache=args.timing_cache,
+                      version_compatible=args.version_compatible,
+                      hardware_compatibility=args.hardware_compatibility,
+                      compute_capabilities=tuple(args.compute_capability))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -240,6 +271,9 @@ def make_parser() -> argparse.ArgumentParser:
     probe.add_argument("--report", type=Path, default=None, help="also write the report here (.md, plus .json)")
     probe.set_defaults(func=_cmd_probe)
     _serve_parser(sub)
+    doctor = sub.add_parser("doctor", help="list every backend, its version, and whether it can build or run here")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=_cmd_doctor)
     run = sub.add_parser("run", help="run an engine on text: embeddings for encoders, greedy text for decoders")
     run.add_argument("engine_dir", type=Path)
     run.add_argument("--text", action="append", help="input text (repeat for several); default: a Wikipedia paragraph")

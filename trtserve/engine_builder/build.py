@@ -5,11 +5,12 @@ from __future__ import annotations
 import platform
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtserve import __version__
 from trtserve.engine_builder import artifact
+from trtserve.engine_builder.tensorrt import TrtOptions
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, check_writable_target, sha256_file
 from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, cache_root, resolve
@@ -34,6 +35,7 @@ class BuildConfig:
     calibration: Path | None = None  # text file for fidelity; None: the bundled Wikipedia sample
     fidelity_target: Target | None = None  # None: Target.parity() for fp32, Target() otherwise
     allow_low_fidelity: bool = False
+    trt: TrtOptions = field(default_factory=TrtOptions)  # used when the backend is tensorrt
 
 
 def build_engine(cfg: BuildConfig) -> artifact.EngineDir:
@@ -47,6 +49,15 @@ def build_engine(cfg: BuildConfig) -> artifact.EngineDir:
     from trtserve.runtime.devices import choose_backend
 
     backend, why = choose_backend(cfg.backend)
+    if backend == "tensorrt":
+        from trtserve.runtime.trt_lib import load_tensorrt
+
+        trt, flavour = load_tensorrt()  # before the long export: a missing library is a quick, clear error
+        if flavour == "tensorrt_rtx":
+            from trtserve.engine_builder.tensorrt import rtx_targets
+
+            rtx_targets(trt, cfg.trt.compute_capabilities)
+        why += f"; {flavour} {trt.__version__}"
     say(f"backend: {backend} ({why})")
     source = resolve(cfg.model)
     max_seq = _max_seq(cfg, source)
@@ -111,6 +122,12 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     with step("optimizing the graph with ONNX Runtime"):
         backend_entry = build_ort(onnx_path, tmp)
     backend_entry["chosen_because"] = why
+    if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback
+        from trtserve.engine_builder.tensorrt import build_trt
+
+        with step("building the TensorRT plan"):
+            manifest["tensorrt"] = build_trt(onnx_path, tmp, manifest, cfg.trt)
+        manifest["tensorrt"]["chosen_because"] = why
     manifest.update({
         "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
                  "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
@@ -245,6 +262,8 @@ def _versions() -> dict:
 
 def _rebuild_command(cfg: BuildConfig) -> str:
     parts = ["trtserve build-engine", cfg.model, "--out", str(cfg.out), "--precision", cfg.precision]
+    if cfg.backend != "auto":
+        parts += ["--backend", cfg.backend]
     parts += ["--max-batch", str(cfg.max_batch)]
     if cfg.max_seq is not None:
         parts += ["--max-seq", str(cfg.max_seq)]

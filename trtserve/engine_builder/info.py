@@ -21,6 +21,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
         f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {}),
         f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})",
+        *_tensorrt(m.get("tensorrt")),
         f"onnx        {m['onnx']['file']} opset {m['onnx']['opset']} (sha256 {m['onnx']['sha256'][:16]}...)",
         "shapes      " + ", ".join(f"{axis} {r['min']}..{r['max']} (opt {r['opt']})" for axis, r in m["shapes"].items()),
         "inputs      " + ", ".join(_io(spec) for spec in m["io"]["inputs"][:4])
@@ -46,3 +47,14 @@ def _graph(report: dict) -> str:
     low, fp32 = sum(report["low_precision_nodes"].values()), sum(report["fp32_nodes"].values())
     patterns = ", ".join(f"{k} x{v['instances']}" for k, v in report["patterns_kept_fp32"].items() if v["instances"])
     return f" ({low} nodes fp16, {fp32} fp32, {report['casts_inserted']} casts; kept fp32: {patterns or 'none'})"
+
+
+def _tensorrt(entry: dict | None) -> list[str]:
+    if not entry:
+        return []
+    by_type = entry["layer_precision"]["float_outputs_by_layer_type"]
+    kinds = ("MATRIX_MULTIPLY", "SOFTMAX", "NORMALIZATION", "REDUCE")
+    types = ", ".join(f"{k.lower()} {'/'.join(f'{n} {t}' for t, n in by_type[k].items())}" for k in kinds if k in by_type)
+    return [f"tensorrt    {entry['plan']} ({entry['flavour']} {entry['version']}, {entry['compute_capability']}, "
+            f"profiles {', '.join(p['name'] for p in entry['profiles'])})",
+            f"            layer outputs: {types}; {len(entry['layer_precision']['violations'])} precision violations"]

@@ -2,19 +2,43 @@
 
 from __future__ import annotations
 
-BACKENDS = ("onnxruntime", "torch")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
+
+
+def runtime_for(engine) -> tuple[str, str]:
+    """(backend, why) that `auto` picks for an opened engine dir: its TensorRT plan when this
+    machine can run it, else the ONNX Runtime graph (the CPU default that always works)."""
+    entry = engine.manifest.get("tensorrt")
+    if not entry:
+        return "onnxruntime", "the engine has no TensorRT plan"
+    from trtserve.runtime.devices import cuda_device_info
+    from trtserve.runtime.trt_lib import flavour_of, import_tensorrt
+    from trtserve.runtime.trt_plan import refuse_reason
+
+    trt, _ = import_tensorrt()
+    reason = refuse_reason(entry, flavour_of(trt) if trt else None, getattr(trt, "__version__", None),
+                           cuda_device_info(), engine.rebuild)
+    return ("onnxruntime", f"not the TensorRT plan: {reason}") if reason else ("tensorrt", "the plan fits this GPU")
 
 
 def load_backend(engine_dir, backend: str = "onnxruntime", **options):
-    """Open and verify `engine_dir`, then load it with the named backend."""
+    """Open and verify `engine_dir`, then load it with the named backend (`auto`: see runtime_for)."""
     from trtserve.engine_builder.artifact import open_engine_dir
     from trtserve.errors import TrtServeError
 
     engine = open_engine_dir(engine_dir)
+    if backend == "auto":
+        backend, _ = runtime_for(engine)
+        if backend == "tensorrt":
+            options.pop("threads", None)
     if backend == "onnxruntime":
         from trtserve.runtime.ort import OrtBackend
 
         return OrtBackend(engine, **options)
+    if backend == "tensorrt":
+        from trtserve.runtime.trt import TrtBackend
+
+        return TrtBackend(engine, **options)
     if backend == "torch":
         from trtserve.runtime.torch_ref import TorchBackend
 

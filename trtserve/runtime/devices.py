@@ -29,14 +29,41 @@ def tensorrt_flavour() -> tuple[str | None, str]:
     return None, "neither tensorrt nor tensorrt_rtx is installed"
 
 
+RTX_COMPUTE_CAPABILITIES = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
+
+
 def choose_backend(requested: str) -> tuple[str, str]:
-    """Return (backend, why). Only ONNX Runtime builds engines in this version."""
-    if requested == "onnxruntime":
-        return "onnxruntime", "requested with --backend onnxruntime"
+    """Return (backend, why). `tensorrt` builds a TensorRT plan beside the ONNX Runtime graph."""
+    if requested in ("onnxruntime", "tensorrt"):
+        return requested, f"requested with --backend {requested}"
     flavour, why_not = tensorrt_flavour()
     devices, no_gpu = cuda_devices()
     if flavour is None:
         return "onnxruntime", f"auto: {why_not}"
     if devices == 0:
-        return "onnxruntime", f"auto: {flavour} is installed but {no_gpu}"
-    return "onnxruntime", f"auto: {flavour} and {devices} GPU(s) found, but this version builds ONNX Runtime engines only"
+        return "onnxruntime", f"auto: {flavour} is installed but {no_gpu} (use --backend tensorrt to build anyway)"
+    if flavour.startswith("tensorrt_rtx"):
+        unsupported = [d for d in cuda_device_info() if d["compute_capability"] not in RTX_COMPUTE_CAPABILITIES]
+        if unsupported:
+            return "onnxruntime", (f"auto: TensorRT-RTX does not support {unsupported[0]['name']} (compute capability "
+                                   f"{unsupported[0]['compute_capability']}); full TensorRT is needed")
+    return "tensorrt", f"auto: {flavour} and {devices} GPU(s) found"
+
+
+def cuda_device_info() -> list[dict]:
+    """Name and compute capability of each visible CUDA device, via the driver library alone."""
+    count, _ = cuda_devices()
+    if not count:
+        return []
+    lib = ctypes.CDLL("libcuda.so.1")
+    found = []
+    for index in range(count):
+        device, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+        name = ctypes.create_string_buffer(256)
+        lib.cuDeviceGet(ctypes.byref(device), index)
+        lib.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)  # ..._MINOR
+        lib.cuDeviceGetName(name, 256, device)
+        found.append({"index": index, "name": name.value.decode(errors="replace"),
+                      "compute_capability": f"{major.value}.{minor.value}"})
+    return found

@@ -35,8 +35,10 @@ class EmbeddingService:
         self.vocab = manifest["model"]["architecture"]["vocab_size"]
         self.max_seq = manifest["shapes"]["sequence"]["max"]
         self.created = int(time.time())
+        from trtserve.runtime import runtime_for
+
         count, devices, threads, why = placement(cfg.workers)
-        log.info("workers: %s", why)
+        log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
         self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics)
         engine_max = manifest["shapes"]["batch"]["max"]
         self.batcher = DynamicBatcher(self.pool.run, min(cfg.max_batch, engine_max), cfg.max_wait_ms, cfg.max_queue,

@@ -53,7 +53,7 @@ def _load(engine_dir: str, threads: int | None):
     from trtserve.runtime import load_backend
     from trtserve.runtime.text import TextEngine
 
-    return TextEngine(load_backend(engine_dir, threads=threads))
+    return TextEngine(load_backend(engine_dir, "auto", threads=threads))  # the TensorRT plan where it can run
 
 
 class Worker:

@@ -1,0 +1,224 @@
+"""TensorRT plan builder (TensorRT 11 / TensorRT-RTX: strongly typed, precision from the graph's casts).
+
+Parses the mixed-precision ONNX, checks that every layer the graph keeps fp32 is fp32 in the
+network, adds optimization profiles from the manifest's shape ranges, and serializes the plan.
+Nothing here needs a GPU: TensorRT-RTX builds portable plans on a CPU-only machine."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trtserve.errors import TrtServeError
+from trtserve.fileio import sha256_file
+from trtserve.progress import say
+
+PLAN = "model.plan"
+FLOAT_TYPES = {1: "FLOAT", 10: "HALF", 16: "BF16"}  # ONNX TensorProto elem types -> TensorRT DataType names
+
+
+@dataclass(frozen=True)
+class TrtOptions:
+    workspace_mib: int | None = None  # memory-pool limit for tactics; None: TensorRT's default (device memory)
+    timing_cache: Path | None = None  # full TensorRT only; None: one per TensorRT version under the cache dir
+    version_compatible: bool = False  # plan runs on later TensorRT versions (lean runtime)
+    hardware_compatibility: str = "none"  # none | ampere_plus | same_compute_capability (full TensorRT)
+    compute_capabilities: tuple[str, ...] = field(default=())  # TensorRT-RTX targets, e.g. ("8.6",); () = portable
+
+
+def profiles_for(manifest: dict) -> list[dict]:
+    """Optimization profiles from the manifest's shape ranges: one for encoders; for decoders one
+    for prefill (past 0 at opt) and one for single-token decode over a growing past."""
+    shapes = manifest["shapes"]
+    if manifest["model"]["kind"] == "encoder":
+        plans = [("all", {"batch": shapes["batch"], "sequence": shapes["sequence"]})]
+    else:
+        seq, past, total = shapes["sequence"], shapes["past_sequence"], shapes["total_sequence"]
+        plans = [
+            ("prefill", {"batch": shapes["batch"], "sequence": seq,
+                         "past_sequence": {"min": 0, "opt": 0, "max": past["max"]},
+                         "total_sequence": {"min": 1, "opt": seq["opt"], "max": total["max"]}}),
+            ("decode", {"batch": shapes["batch"], "sequence": {"min": 1, "opt": 1, "max": 1},
+                        "past_sequence": {"min": 0, "opt": past["opt"], "max": past["max"]},
+                        "total_sequence": {"min": 1, "opt": min(past["opt"] + 1, total["max"]),
+                                           "max": total["max"]}}),
+        ]
+    profiles = []
+    for name, ranges in plans:
+        inputs = {}
+        for spec in manifest["io"]["inputs"]:
+            inputs[spec["name"]] = {point: [ranges[d][point] if isinstance(d, str) else d for d in spec["shape"]]
+                                    for point in ("min", "opt", "max")}
+        profiles.append({"name": name, "ranges": ranges, "inputs": inputs})
+    return profiles
+
+
+def expected_dtypes(onnx_path: Path) -> dict[str, str]:
+    """Each node's float output type in the graph (the truth a strongly typed network must follow)."""
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(onnx_path)))
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.value_info, *model.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    expected = {}
+    for node in model.graph.node:
+        if node.output and types.get(node.output[0]) in FLOAT_TYPES:
+            expected[node.name] = FLOAT_TYPES[types[node.output[0]]]
+    return expected
+
+
+def layer_table(network) -> list[tuple[str, str, str]]:
+    """(layer name, layer type, first output's dtype) for every layer of a parsed network."""
+    rows = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        rows.append((layer.name, layer.type.name, layer.get_output(0).dtype.name))
+    return rows
+
+
+def check_precision(layers: list[tuple[str, str, str]], expected: dict[str, str]) -> dict:
+    """Compare layer output types with the graph's. The parser names layers after their ONNX node
+    (sub-layers get a `_<n>` suffix); a layer whose node is fp32 in the graph but HALF here is a
+    violation."""
+    by_type: dict[str, dict[str, int]] = {}
+    violations, matched = [], 0
+    for name, kind, dtype in layers:
+        if dtype in ("FLOAT", "HALF", "BF16"):
+            by_type.setdefault(kind, {}).setdefault(dtype, 0)
+            by_type[kind][dtype] += 1
+        node = name if name in expected else re.sub(r"_\d+$", "", name)
+        if node not in expected or dtype not in ("FLOAT", "HALF", "BF16"):
+            continue
+        matched += 1
+        if expected[node] == "FLOAT" and dtype != "FLOAT":
+            violations.append(f"{name} ({kind}) is {dtype}; node {node} is fp32 in the graph")
+    return {"layers": len(layers), "matched_to_nodes": matched, "float_outputs_by_layer_type": by_type,
+            "violations": violations}
+
+
+def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOptions = TrtOptions()) -> dict:
+    """Build `out_dir/model.plan` from the mixed ONNX graph; return the manifest's `tensorrt` entry."""
+    from trtserve.runtime.trt_lib import flavour_of, load_tensorrt, logger
+
+    trt, flavour = load_tensorrt()
+    log = logger(trt)
+    started = time.time()
+    builder = trt.Builder(log)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, log)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [parser.get_error(i).desc() for i in range(parser.num_errors)]
+        raise TrtServeError(f"TensorRT could not parse {onnx_path.name}: {'; '.join(errors[:3])}")
+    check = check_precision(layer_table(network), expected_dtypes(onnx_path))
+    if check["violations"]:
+        raise TrtServeError(
+            f"{len(check['violations'])} layer(s) that the graph keeps fp32 came out fp16 in TensorRT, e.g. "
+            f"{check['violations'][0]}; nothing was written. Rebuild with --precision fp32, or report the graph")
+    config = builder.create_builder_config()
+    if options.workspace_mib:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
+    profiles = profiles_for(manifest)
+    for profile in profiles:
+        opt = builder.create_optimization_profile()
+        for name, shape in profile["inputs"].items():
+            opt.set_shape(name, shape["min"], shape["opt"], shape["max"])
+        config.add_optimization_profile(opt)
+    targets = _set_targets(trt, flavour, config, options)
+    cache = _TimingCache(trt, flavour, config, options)
+    say(f"tensorrt: building the {flavour} {trt.__version__} plan ({len(profiles)} profile(s), {targets}) ...")
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise TrtServeError("TensorRT could not build the engine: "
+                            + ("; ".join(log.errors()[:3]) or "no error was logged"))
+    (out_dir / PLAN).write_bytes(memoryview(plan))
+    cache_record = cache.save()
+    seconds = round(time.time() - started, 1)
+    say(f"tensorrt: {PLAN} {(out_dir / PLAN).stat().st_size / 1e6:.1f} MB in {seconds} s")
+    return {
+        "name": "tensorrt",
+        "flavour": flavour_of(trt),
+        "version": trt.__version__,
+        "plan": PLAN,
+        "plan_sha256": sha256_file(out_dir / PLAN),
+        "strongly_typed": True,
+        "profiles": profiles,
+        "io": _network_io(network),
+        "compute_capability": targets,
+        "workspace_mib": options.workspace_mib,
+        "version_compatible": options.version_compatible,
+        "hardware_compatibility": options.hardware_compatibility,
+        "timing_cache": cache_record,
+        "layer_precision": check,
+        "build_seconds": seconds,
+        "warnings": [m for s, m in log.messages if s == "WARNING"][:20],
+    }
+
+
+def _network_io(network) -> dict:
+    def spec(t):
+        return {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape)}
+
+    return {"inputs": [spec(network.get_input(i)) for i in range(network.num_inputs)],
+            "outputs": [spec(network.get_output(i)) for i in range(network.num_outputs)]}
+
+
+def _set_targets(trt, flavour: str, config, options: TrtOptions) -> str:
+    """Record (and for TensorRT-RTX, set) which GPUs the plan is for."""
+    if options.version_compatible:
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+    if flavour == "tensorrt_rtx":
+        if not options.compute_capabilities:
+            return "portable (TensorRT-RTX: SM75, SM80, SM86, SM89, SM120, SM121)"
+        config.num_compute_capabilities = len(options.compute_capabilities)
+        for i, member in enumerate(rtx_targets(trt, options.compute_capabilities)):
+            config.set_compute_capability(member, i)
+        return "sm" + ",sm".join(c.replace(".", "") for c in options.compute_capabilities)
+    level = options.hardware_compatibility.upper()
+    if level != "NONE":
+        config.hardware_compatibility_level = getattr(trt.HardwareCompatibilityLevel, level)
+        return f"hardware compatibility {level.lower()}"
+    from trtserve.runtime.devices import cuda_device_info
+
+    devices = cuda_device_info()
+    return f"sm{devices[0]['compute_capability'].replace('.', '')}" if devices else "the build machine's GPU"
+
+
+def rtx_targets(trt, capabilities: tuple[str, ...]) -> list:
+    """TensorRT-RTX ComputeCapability members for "8.6"-style strings, or a clear error."""
+    members = []
+    for cc in capabilities:
+        name = "SM" + cc.replace(".", "")
+        if not hasattr(trt.ComputeCapability, name):
+            raise TrtServeError(f"TensorRT-RTX cannot target compute capability {cc}; it supports "
+                                + ", ".join(m for m in trt.ComputeCapability.__members__ if m.startswith("SM")))
+        members.append(getattr(trt.ComputeCapability, name))
+    return members
+
+
+class _TimingCache:
+    """A persistent timing cache for full TensorRT (TensorRT-RTX keeps the calls as no-ops)."""
+
+    def __init__(self, trt, flavour: str, config, options: TrtOptions):
+        from trtserve.models.sources import cache_root
+
+        self.config, self.used = config, flavour == "tensorrt"
+        self.path = options.timing_cache or cache_root() / "tensorrt" / f"timing-{flavour}-{trt.__version__}.cache"
+        self.loaded = 0
+        if not self.used:
+            return
+        blob = self.path.read_bytes() if self.path.is_file() else b""
+        self.loaded = len(blob)
+        cache = config.create_timing_cache(blob)
+        config.set_timing_cache(cache, ignore_mismatch=False)
+
+    def save(self) -> dict:
+        if not self.used:
+            return {"used": False, "why": "TensorRT-RTX: timing-cache calls are no-ops"}
+        blob = bytes(memoryview(self.config.get_timing_cache().serialize()))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        tmp.replace(self.path)
+        return {"used": True, "path": str(self.path), "bytes_before": self.loaded, "bytes_after": len(blob)}
