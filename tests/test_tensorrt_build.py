@@ -41,10 +41,14 @@ def test_real_plans_keep_the_policy_layer_by_layer(model, precision, engines, hy
     check = entry["layer_precision"]
     assert check["violations"] == [] and check["matched_to_nodes"] > 100
     by_type = check["float_outputs_by_layer_type"]
+    kernels = entry["kernels"]
+    assert kernels["count"] > 0 and kernels["weights_memory_bytes"] > 10e6
+    kernel_dtypes = {t for types in kernels["output_dtypes_by_kernel_type"].values() for t in types}
     if precision == "fp32":
         assert all(set(types) == {"FLOAT"} for types in by_type.values()), by_type
+        assert "Half" not in kernel_dtypes, kernels
     else:
-        assert set(by_type["MATRIX_MULTIPLY"]) == {"HALF"}
+        assert set(by_type["MATRIX_MULTIPLY"]) == {"HALF"} and "Half" in kernel_dtypes
         assert set(by_type["SOFTMAX"]) == {"FLOAT"} and set(by_type["REDUCE"]) == {"FLOAT"}
         if model == "minilm":
             assert set(by_type["NORMALIZATION"]) == {"FLOAT"}  # LayerNorm; SmolLM2's RMSNorm is decomposed

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.conftest import run_cli
-from trtserve.engine_builder.tensorrt import check_precision, profiles_for
+from trtserve.engine_builder.tensorrt import check_precision, kernel_summary, profiles_for
 from trtserve.errors import EngineDirError, InputError
 from trtserve.runtime.trt_plan import buffer_bytes, buffer_plan, check_loadable, refuse_reason, select_profile
 
@@ -101,3 +101,16 @@ def test_doctor_lists_every_backend_and_why():
         assert not rtx["run"] and not backends["tensorrt"]["run"] and facts["no_gpu_reason"]
     text = run_cli("doctor").stdout
     assert "tensorrt_rtx" in text and "onnxruntime" in text
+
+
+def test_kernel_summary_reads_the_detailed_build_log():
+    layers = ("Layers:\n"
+              "Name: k0, LayerType: shape_call, Inputs: [], Constants: [], Outputs: [], TacticName: , StreamId: 0\n"
+              "Name: k1, LayerType: gemm, Inputs: [ { Name: a, Datatype: Float }], Outputs: [ { Name: b, "
+              "Datatype: Half, Format: x }], TacticName: t, StreamId: 0, Metadata: [ONNX Layer: node_MatMul_1]\n"
+              "Name: k2, LayerType: kgen, Inputs: [ { Name: b, Datatype: Half }], Outputs: [ { Name: c, "
+              "Datatype: Float, Format: x }], TacticName: t, StreamId: 0")
+    summary = kernel_summary(["Total Activation Memory: 1024 bytes", layers, "Total Weights Memory: 2048 bytes"])
+    assert summary == {"count": 3, "output_dtypes_by_kernel_type": {"shape_call": {"none": 1}, "gemm": {"Half": 1},
+                                                                    "kgen": {"Float": 1}},
+                       "activation_memory_bytes": 1024, "weights_memory_bytes": 2048}

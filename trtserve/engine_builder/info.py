@@ -55,6 +55,10 @@ def _tensorrt(entry: dict | None) -> list[str]:
     by_type = entry["layer_precision"]["float_outputs_by_layer_type"]
     kinds = ("MATRIX_MULTIPLY", "SOFTMAX", "NORMALIZATION", "REDUCE")
     types = ", ".join(f"{k.lower()} {'/'.join(f'{n} {t}' for t, n in by_type[k].items())}" for k in kinds if k in by_type)
+    kernels = entry.get("kernels", {"count": "?", "output_dtypes_by_kernel_type": {}})
     return [f"tensorrt    {entry['plan']} ({entry['flavour']} {entry['version']}, {entry['compute_capability']}, "
             f"profiles {', '.join(p['name'] for p in entry['profiles'])})",
-            f"            layer outputs: {types}; {len(entry['layer_precision']['violations'])} precision violations"]
+            f"            layer outputs: {types}; {len(entry['layer_precision']['violations'])} precision violations",
+            f"            kernels after fusion: {kernels['count']} ("
+            + ", ".join(f"{k} {'/'.join(f'{n} {t}' for t, n in v.items())}"
+                        for k, v in kernels["output_dtypes_by_kernel_type"].items()) + ")"]

@@ -103,7 +103,7 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOption
     from trtserve.runtime.trt_lib import flavour_of, load_tensorrt, logger
 
     trt, flavour = load_tensorrt()
-    log = logger(trt)
+    log = logger(trt, keep_verbose=True)  # the verbose build log lists the kernels the plan really runs
     started = time.time()
     builder = trt.Builder(log)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
@@ -117,6 +117,7 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOption
             f"{len(check['violations'])} layer(s) that the graph keeps fp32 came out fp16 in TensorRT, e.g. "
             f"{check['violations'][0]}; nothing was written. Rebuild with --precision fp32, or report the graph")
     config = builder.create_builder_config()
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     if options.workspace_mib:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
     profiles = profiles_for(manifest)
@@ -151,9 +152,37 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOption
         "hardware_compatibility": options.hardware_compatibility,
         "timing_cache": cache_record,
         "layer_precision": check,
+        "kernels": kernel_summary([m for _, m in log.messages]),
         "build_seconds": seconds,
         "warnings": [m for s, m in log.messages if s == "WARNING"][:20],
     }
+
+
+def kernel_summary(messages: list[str]) -> dict:
+    """What the built plan runs, from the DETAILED build log: kernels by type with their output
+    datatypes (after fusion, e.g. softmax folded into half-precision attention kernels), and the
+    activation and weight memory TensorRT reported."""
+    by_type: dict[str, dict[str, int]] = {}
+    memory, count = {}, 0
+    for message in messages:
+        for key in ("Total Activation Memory", "Total Weights Memory"):
+            found = re.match(rf"{key}: (\d+) bytes", message)
+            if found:
+                memory[key.lower().replace("total ", "").replace(" ", "_") + "_bytes"] = int(found.group(1))
+        if not message.startswith("Layers:"):
+            continue
+        for line in message.splitlines()[1:]:
+            kind = re.search(r"LayerType: (\w+)", line)
+            if not kind:
+                continue
+            count += 1
+            outputs = line.split("Outputs: [", 1)[1] if "Outputs: [" in line else ""
+            dtypes = set(re.findall(r"Datatype: (\w+)", outputs.split("], TacticName", 1)[0])) or {"none"}
+            counts = by_type.setdefault(kind.group(1), {})
+            for dtype in dtypes:
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return {"count": count, "output_dtypes_by_kernel_type": by_type,
+            **memory}
 
 
 def _network_io(network) -> dict:
