@@ -193,6 +193,10 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int),
                        help="padded tokens per batch, rows x longest row (default 16384; at least the engine's "
                        "max sequence)")
+    serve.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 16, int),
+                       help="decoders: sequences in the running batch (continuous batching; default 16)")
+    serve.add_argument("--max-n", type=int, default=_env("MAX_N", 8, int),
+                       help="decoders: the largest `n` (choices per request) accepted (default 8)")
     serve.add_argument("--max-wait-ms", type=float, default=_env("MAX_WAIT_MS", 5.0, float),
                        help="longest wait to fill a batch")
     serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
@@ -213,7 +217,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if not args.model:
         raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL)")
-    for name in ("max_batch", "max_batch_tokens", "max_queue", "port"):
+    for name in ("max_batch", "max_batch_tokens", "max_queue", "port", "max_num_seqs", "max_n"):
         if getattr(args, name) < 1:
             raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout"):
@@ -221,6 +225,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
     cfg = ServerConfig(engine_dir=str(_engine_for(args.model)), host=args.host, port=args.port,
                        workers=args.workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                       max_num_seqs=args.max_num_seqs, max_n=args.max_n,
                        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, api_key=args.api_key,
                        request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                        served_model_name=args.served_model_name)

@@ -12,7 +12,13 @@ from starlette.requests import Request
 
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
-from trtserve.server.protocol import EmbeddingRequest, ErrorBody, ErrorResponse
+from trtserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ErrorBody,
+    ErrorResponse,
+)
 
 log = logging.getLogger("trtserve.server")
 OPEN_PATHS = {"/health", "/metrics"}
@@ -34,14 +40,13 @@ def build_app(cfg: ServerConfig):
     from starlette.exceptions import HTTPException
 
     from trtserve.server.metrics import Metrics
-    from trtserve.server.serving import EmbeddingService
 
     metrics = Metrics()
     state = {}
 
     @asynccontextmanager
     async def lifespan(app):
-        service = EmbeddingService(cfg, metrics)
+        service = make_service(cfg, metrics)
         await service.start()
         state["service"] = service
         prober = asyncio.create_task(_probe_forever(service))
@@ -78,7 +83,23 @@ def build_app(cfg: ServerConfig):
     async def embeddings(request: EmbeddingRequest, raw: Request):
         if request.model_extra:
             log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-        return await _unless_disconnected(raw, state["service"].embed(request), metrics)
+        service = state["service"]
+        if service.kind == "decoder":
+            raise BadRequest(f"`{service.model_id}` is a decoder engine: it serves /v1/completions and "
+                             "/v1/chat/completions; embeddings need an encoder", param="model")
+        return await _unless_disconnected(raw, service.embed(request), metrics)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request):
+        service = _generator(state, request)
+        jobs = service.completion_jobs(request)
+        return await _answer(raw, service, jobs, request, chat=False, metrics=metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        service = _generator(state, request)
+        jobs = service.chat_jobs(request)
+        return await _answer(raw, service, jobs, request, chat=True, metrics=metrics)
 
     @app.get("/health")
     async def health():
@@ -100,8 +121,40 @@ def build_app(cfg: ServerConfig):
     return app
 
 
-class ClientGone(Exception):
-    """The client closed the connection before the answer was ready."""
+def make_service(cfg: ServerConfig, metrics):
+    """The embeddings service for an encoder engine, the generation service for a decoder."""
+    from trtserve.engine_builder.artifact import open_engine_dir
+
+    if open_engine_dir(cfg.engine_dir, verify=False).manifest["model"]["kind"] == "decoder":
+        from trtserve.server.generation import GenerationService
+
+        return GenerationService(cfg, metrics)
+    from trtserve.server.serving import EmbeddingService
+
+    return EmbeddingService(cfg, metrics)
+
+
+def _generator(state: dict, request):
+    if request.model_extra:
+        log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
+    service = state["service"]
+    if getattr(service, "kind", "encoder") != "decoder":
+        raise BadRequest(f"`{service.model_id}` is an encoder engine: it serves /v1/embeddings, not generation",
+                         param="model")
+    return service
+
+
+async def _answer(raw, service, jobs, request, chat: bool, metrics):
+    from fastapi.responses import StreamingResponse
+
+    from trtserve.server.completions import complete, stream
+
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        # Starlette cancels this generator when the client disconnects; cancelling closes the sequences
+        return StreamingResponse(stream(service, jobs, chat, request.model, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _unless_disconnected(raw, complete(service, jobs, chat, request.model), metrics)
 
 
 async def _unless_disconnected(raw, work, metrics):

@@ -12,7 +12,9 @@ class ServerConfig:
     port: int = 8000
     workers: int | None = None  # None: one per GPU, else one; 0: run the backend in the server process
     max_batch: int = 32
-    max_batch_tokens: int = 16384  # padded tokens per batch (rows x longest row)
+    max_batch_tokens: int = 16384  # padded tokens per batch (rows x longest row); decoders: per prefill
+    max_num_seqs: int = 16  # decoders: sequences in the running batch
+    max_n: int = 8  # decoders: largest `n` a request may ask for
     max_wait_ms: float = 5.0
     max_queue: int = 256
     api_key: str | None = None

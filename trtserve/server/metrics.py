@@ -25,6 +25,17 @@ class Metrics:
         self.workers_ready = Gauge("trtserve_workers_ready", "workers ready to take batches", registry=self.registry)
         self.worker_restarts = Counter("trtserve_worker_restarts", "worker processes restarted after dying",
                                        registry=self.registry)
+        slow = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram("trtserve_time_to_first_token_seconds", "time from request to first token",
+                              buckets=slow, registry=self.registry)
+        self.tpot = Histogram("trtserve_time_per_output_token_seconds", "request time divided by its output tokens",
+                              buckets=slow, registry=self.registry)
+        self.itl = Histogram("trtserve_inter_token_latency_seconds", "time between two tokens of a sequence",
+                             buckets=slow, registry=self.registry)
+        self.generated_tokens = Counter("trtserve_generated_tokens", "tokens generated", registry=self.registry)
+        self.running_seqs = Gauge("trtserve_running_sequences", "sequences being generated", registry=self.registry)
+        self.waiting_seqs = Gauge("trtserve_waiting_sequences", "sequences waiting to join the running batch",
+                                  registry=self.registry)
         self.latency = Histogram("trtserve_request_seconds", "end-to-end request latency",
                                  ["route"], buckets=fast, registry=self.registry)
 
@@ -36,6 +47,12 @@ class Metrics:
             metric.inc(value)
         else:
             metric.observe(value)
+
+    def observe_generation(self, name: str, value: float) -> None:
+        if name == "tokens":
+            self.generated_tokens.inc(value)
+        else:
+            getattr(self, name).observe(value)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

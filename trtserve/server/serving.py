@@ -56,7 +56,7 @@ class EmbeddingService:
         await self.pool.stop()
 
     async def probe(self) -> None:
-        await self.pool.probe(self._probe_rows)
+        await self.pool.probe(lambda worker: self.pool.run(self._probe_rows, worker))
 
     def healthy(self, within: float) -> bool:
         return self.pool.healthy(within)

@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +25,9 @@ class WorkerError(ServingError):
     """The backend raised while running a batch."""
 
 
-def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None) -> None:
-    """Body of a worker process: load the engine, then answer ("embed", rows) until told to stop."""
+def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None, generation: dict | None) -> None:
+    """Body of a worker process: load the engine, then answer ("embed", rows) until told to stop,
+    or, for decoders (`generation` options given), run the continuous batcher."""
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops its workers
@@ -35,6 +37,12 @@ def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None)
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", os.getpid()))
+    if generation is not None:
+        from trtserve.server.generation_worker import generation_loop
+
+        generation_loop(conn, text, **generation)
+        text.backend.close()
+        return
     while True:
         try:
             op, payload = conn.recv()
@@ -59,8 +67,12 @@ def _load(engine_dir: str, threads: int | None):
 class Worker:
     """One backend owner. Calls run one at a time on its own thread, so one batch is in flight."""
 
-    def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool):
+    def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool,
+                 generation: dict | None = None):
         self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
+        self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
+        self.channel = None  # GenerationChannel of a decoder worker
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trtserve-worker-{index}")
         self.outstanding = 0  # rows sent and not yet answered
         self.ready = False
@@ -78,13 +90,22 @@ class Worker:
         """Start the process (or load in this one) and wait until the engine is loaded. Blocking."""
         if self.inline:
             self.text = _load(self.engine_dir, self.threads)
+            if self.generation is not None:  # the batcher on a thread of this process, over a local pipe
+                from trtserve.server.generation_worker import generation_loop
+
+                parent, child = multiprocessing.Pipe()
+                threading.Thread(target=generation_loop, args=(child, self.text), kwargs=self.generation,
+                                 name="trtserve-generation", daemon=True).start()
+                self.conn = parent
+                self._open_channel()
             self.ready = True
             return
         if self.conn is not None:  # the pipe of a process that died
             self.conn.close()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads or a GPU context
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(child, self.engine_dir, self.device, self.threads),
+        proc = ctx.Process(target=_worker_main,
+                           args=(child, self.engine_dir, self.device, self.threads, self.generation),
                            name=f"trtserve-worker-{self.index}", daemon=True)
         proc.start()
         child.close()  # so that the worker's death reads as EOF here
@@ -101,7 +122,20 @@ class Worker:
         if status != "ready":
             proc.join(5)
             raise RuntimeError(f"worker {self.index} could not load the engine: {info}")
-        self.proc, self.conn, self.ready = proc, parent, True
+        self.proc, self.conn = proc, parent
+        if self.generation is not None:
+            self._open_channel()
+        self.ready = True
+
+    def _open_channel(self) -> None:
+        from trtserve.server.generation_worker import GenerationChannel
+
+        self.channel = GenerationChannel(self.conn, self.loop)
+
+    @property
+    def load_now(self) -> int:
+        """Outstanding work: rows for embeddings, open sequences for generation."""
+        return len(self.channel.streams) if self.channel is not None else self.outstanding
 
     def call(self, rows: list[list[int]]):
         """Run one batch on this worker. Blocking; runs on the worker's own thread."""
@@ -125,8 +159,10 @@ class Worker:
     def stop(self, timeout: float = 10.0) -> None:
         """Blocking: ask the process to exit, kill it if it does not."""
         self.ready = False
+        if self.channel is not None:
+            self.channel._send(("stop", None))
         if self.inline:
-            if self.text is not None:
+            if self.text is not None and self.channel is None:
                 self.text.backend.close()
             return
         if self.proc is None:
@@ -143,16 +179,20 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None):
+    def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None,
+                 generation: dict | None = None):
         inline = workers == 0
         count = max(workers, 1)
-        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline) for i in range(count)]
+        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation)
+                        for i in range(count)]
         self.metrics = metrics
         self._supervisor: asyncio.Task | None = None
         self._restarting: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        for w in self.workers:
+            w.loop = loop
         results = await asyncio.gather(*(loop.run_in_executor(w.executor, w.load) for w in self.workers),
                                        return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -176,7 +216,7 @@ class WorkerPool:
         ready = [w for w in self.workers if w.ready]
         if not ready:
             raise Unavailable(f"no worker is ready ({len(self.workers)} restarting); retry shortly")
-        return min(ready, key=lambda w: w.outstanding)
+        return min(ready, key=lambda w: w.load_now)
 
     async def run(self, rows: list[list[int]], worker: Worker | None = None):
         worker = worker or self.pick()
@@ -186,11 +226,11 @@ class WorkerPool:
         finally:
             worker.outstanding -= len(rows)
 
-    async def probe(self, rows: list[list[int]]) -> None:
-        """Run a real batch on every ready worker; each success refreshes that worker's probe time."""
+    async def probe(self, check) -> None:
+        """Run `check(worker)` (real work) on every ready worker; each success refreshes its probe time."""
         for w in [w for w in self.workers if w.ready]:
             try:
-                await self.run(rows, w)
+                await check(w)
                 w.last_probe_ok = time.monotonic()
             except Exception as exc:
                 log.warning("worker %d failed its health probe: %s", w.index, exc)
@@ -201,7 +241,7 @@ class WorkerPool:
 
     def status(self) -> list[dict]:
         return [{"index": w.index, "pid": w.pid, "device": w.device, "ready": w.ready,
-                 "outstanding_rows": w.outstanding, "restarts": w.restarts} for w in self.workers]
+                 "outstanding": w.load_now, "restarts": w.restarts} for w in self.workers]
 
     async def _supervise(self) -> None:
         while True:

@@ -1,0 +1,191 @@
+"""Continuous batching for decoder engines: sequences join the running batch between decode steps
+and leave when finished. The running batch keeps one left-padded KV cache; it is re-packed only
+when membership changes (newcomers merged in, finished rows cut out, all-padding columns trimmed).
+Each step prefills the newcomers that fit (one backend call) and then decodes one token for every
+running sequence, so a newcomer's prefill holds the others back by at most one call."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtserve.runtime.base import Backend
+from trtserve.runtime.generate import past_names, positions_from_mask, present_name
+from trtserve.runtime.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Sequence:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    next_token: int = -1  # fed at the next decode step
+    generated: int = 0
+    length: int = 0  # tokens in the KV cache
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt) + self.generated
+
+
+@dataclass
+class Event:
+    """A new token (token -1 when the sequence ended on end-of-sequence) or a failure."""
+
+    id: str
+    token: int
+    logprob: float | None = None
+    top_logprobs: list | None = None
+    finish: str | None = None  # "stop" | "length" | None
+    error: str | None = None
+
+
+@dataclass
+class _Batch:
+    seqs: list[Sequence] = field(default_factory=list)
+    past: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (B, Hkv, P, D), left-padded
+    mask: np.ndarray | None = None  # (B, P)
+
+
+class ContinuousBatcher:
+    def __init__(self, backend: Backend, eos_ids: set[int], max_num_seqs: int = 16,
+                 max_batched_tokens: int = 4096, pad_id: int = 0):
+        manifest = backend.engine.manifest
+        self.backend, self.eos_ids, self.pad_id = backend, set(eos_ids), pad_id
+        self.max_num_seqs = min(max_num_seqs, manifest["shapes"]["batch"]["max"])
+        self.max_batched_tokens = max_batched_tokens
+        self.max_seq = manifest["shapes"]["total_sequence"]["max"]
+        self.vocab = manifest["model"]["architecture"]["vocab_size"]
+        self.names = past_names(backend)
+        specs = {spec.name: spec for spec in backend.inputs}
+        self.kv_shape = {n: (specs[n].shape[1], specs[n].shape[3]) for n in self.names}  # (Hkv, D)
+        self.waiting: deque[Sequence] = deque()
+        self.batch = _Batch()
+
+    # -- membership ---------------------------------------------------------------------------
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.waiting.append(Sequence(seq_id, list(prompt), params, Sampler(params, self.vocab)))
+
+    def cancel(self, seq_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.id == seq_id:
+                self.waiting.remove(seq)
+                return True
+        rows = [i for i, s in enumerate(self.batch.seqs) if s.id == seq_id]
+        self._drop(rows)
+        return bool(rows)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.batch.seqs)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.seqs)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        newcomers = self._admit()
+        if newcomers:
+            events += self._prefill(newcomers)
+        if self.batch.seqs:
+            events += self._decode()
+        return events
+
+    def _admit(self) -> list[Sequence]:
+        room = self.max_num_seqs - len(self.batch.seqs)
+        chosen: list[Sequence] = []
+        while self.waiting and len(chosen) < room:
+            longest = max([len(self.waiting[0].prompt)] + [len(s.prompt) for s in chosen])
+            if chosen and (len(chosen) + 1) * longest > self.max_batched_tokens:
+                break
+            chosen.append(self.waiting.popleft())
+        return chosen
+
+    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
+        longest = max(len(s.prompt) for s in seqs)
+        ids = np.full((len(seqs), longest), self.pad_id, dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for i, s in enumerate(seqs):  # left padding: every row's last column is its last prompt token
+            ids[i, longest - len(s.prompt):] = s.prompt
+            mask[i, longest - len(s.prompt):] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
+        for name, (heads, dim) in self.kv_shape.items():
+            feeds[name] = np.zeros((len(seqs), heads, 0, dim), dtype=np.float32)
+        try:
+            out = self.backend.infer(feeds)
+        except Exception as exc:
+            return [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
+        for s in seqs:
+            s.length = len(s.prompt)
+        fresh = _Batch(list(seqs), {n: out[present_name(n)] for n in self.names}, mask)
+        self.batch = _merge(self.batch, fresh)
+        return self._choose(seqs, out["logits"][:, -1])
+
+    def _decode(self) -> list[Event]:
+        b = self.batch
+        full = np.concatenate([b.mask, np.ones((len(b.seqs), 1), dtype=np.int64)], axis=1)
+        feeds = {"input_ids": np.array([[s.next_token] for s in b.seqs], dtype=np.int64), "attention_mask": full,
+                 "position_ids": positions_from_mask(full)[:, -1:], **b.past}
+        seqs = list(b.seqs)
+        try:
+            out = self.backend.infer(feeds)
+        except Exception as exc:
+            self._drop(list(range(len(seqs))))
+            return [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
+        b.past, b.mask = {n: out[present_name(n)] for n in self.names}, full
+        for s in seqs:
+            s.length += 1
+        return self._choose(seqs, out["logits"][:, -1])
+
+    def _choose(self, seqs: list[Sequence], logits: np.ndarray) -> list[Event]:
+        events, done = [], []
+        for row, s in enumerate(seqs):
+            token, logprob, top = s.sampler.choose(logits[row])
+            if token in self.eos_ids:
+                events.append(Event(s.id, -1, logprob, top, finish="stop"))
+                done.append(s.id)
+                continue
+            s.generated += 1
+            s.next_token = token
+            finish = "length" if s.generated >= s.params.max_tokens or s.total >= self.max_seq else None
+            events.append(Event(s.id, token, logprob, top, finish=finish))
+            if finish:
+                done.append(s.id)
+        if done:
+            self._drop([i for i, s in enumerate(self.batch.seqs) if s.id in set(done)])
+        return events
+
+    def _drop(self, rows: list[int]) -> None:
+        """Cut rows out of the running batch and trim the columns that are padding for every row left."""
+        if not rows:
+            return
+        b = self.batch
+        keep = [i for i in range(len(b.seqs)) if i not in set(rows)]
+        b.seqs = [b.seqs[i] for i in keep]
+        if not keep:
+            self.batch = _Batch()
+            return
+        b.mask = b.mask[keep]
+        first = int(np.argmax(b.mask.any(axis=0)))
+        b.mask = b.mask[:, first:]
+        b.past = {n: np.ascontiguousarray(v[keep][:, :, first:]) for n, v in b.past.items()}
+
+
+def _merge(a: _Batch, b: _Batch) -> _Batch:
+    """One batch from two, left-padding the shorter cache."""
+    if not a.seqs:
+        return b
+    width = max(a.mask.shape[1], b.mask.shape[1])
+
+    def pad(batch: _Batch) -> tuple[np.ndarray, dict]:
+        extra = width - batch.mask.shape[1]
+        mask = np.pad(batch.mask, ((0, 0), (extra, 0)))
+        past = {n: np.pad(v, ((0, 0), (0, 0), (extra, 0), (0, 0))) for n, v in batch.past.items()}
+        return mask, past
+
+    (ma, pa), (mb, pb) = pad(a), pad(b)
+    return _Batch(a.seqs + b.seqs, {n: np.concatenate([pa[n], pb[n]]) for n in pa}, np.concatenate([ma, mb]))

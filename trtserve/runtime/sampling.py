@@ -1,0 +1,66 @@
+"""Next-token choice on logits, in numpy: greedy, temperature, top-k, top-p, seeded generators,
+presence/frequency penalties (OpenAI's formula), and log-probabilities when asked."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - np.max(logits)
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+class Sampler:
+    """One per sequence: its own random generator (seeded for reproducible output) and token counts."""
+
+    def __init__(self, params: SamplingParams, vocab: int):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.counts = np.zeros(vocab, dtype=np.int32)
+
+    def choose(self, logits: np.ndarray) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+        """(token, its logprob or None, top logprobs or None) from one row of logits."""
+        p = self.params
+        logits = logits.astype(np.float32, copy=True)
+        if p.presence_penalty or p.frequency_penalty:
+            logits -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
+        if p.temperature == 0 or p.top_k == 1:
+            token = int(np.argmax(logits))
+        else:
+            token = self._sample(logits / p.temperature)
+        self.counts[token] += 1
+        if p.logprobs is None:
+            return token, None, None
+        logp = log_softmax(logits)
+        top = np.argsort(-logp)[: p.logprobs] if p.logprobs else []
+        return token, float(logp[token]), [(int(t), float(logp[t])) for t in top]
+
+    def _sample(self, logits: np.ndarray) -> int:
+        p = self.params
+        order = np.argsort(-logits)
+        if p.top_k:
+            order = order[: p.top_k]
+        probs = np.exp(logits[order] - logits[order[0]])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix with mass >= top_p
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(len(order), p=probs)])

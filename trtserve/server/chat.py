@@ -1,0 +1,65 @@
+"""Chat messages to a prompt with the tokenizer's own chat template (Jinja, rendered the way
+transformers renders it: sandboxed, trim_blocks, lstrip_blocks), without transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trtserve.server.errors import BadRequest
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def load_chat_template(engine_path: Path) -> str | None:
+    path = Path(engine_path)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):  # named templates: use "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _special(engine_path: Path, name: str) -> str:
+    config = Path(engine_path) / "tokenizer_config.json"
+    value = json.loads(config.read_text()).get(name) if config.is_file() else None
+    return value.get("content", "") if isinstance(value, dict) else value or ""
+
+
+class ChatRenderer:
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(template)
+        self.special = {"bos_token": bos_token, "eos_token": eos_token}
+
+    @classmethod
+    def for_engine(cls, engine_path: Path) -> "ChatRenderer | None":
+        template = load_chat_template(engine_path)
+        if not template:
+            return None
+        return cls(template, _special(engine_path, "bos_token"), _special(engine_path, "eos_token"))
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2.exceptions import TemplateError
+
+        if not messages:
+            raise BadRequest("`messages` is empty: give at least one message", param="messages")
+        for i, message in enumerate(messages):
+            if message["role"] not in ROLES:
+                raise BadRequest(f"messages[{i}].role is {message['role']!r}; use one of {', '.join(ROLES)}",
+                                 param=f"messages.{i}.role")
+        # "developer" is OpenAI's newer name for "system"; templates know "system"
+        messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        except TemplateError as exc:
+            raise BadRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None

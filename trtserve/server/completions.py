@@ -1,0 +1,132 @@
+"""OpenAI response shapes for /v1/completions and /v1/chat/completions, whole or streamed as
+server-sent events (`data: {chunk}` lines, `data: [DONE]` last; an error after the stream began is
+sent as a final data event in the error shape)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from trtserve.server.errors import ServingError
+from trtserve.server.generation import GenerationService, Job
+
+
+async def _merged(service: GenerationService, jobs: list[Job]):
+    """(choice index, Piece) from every job as they come; cancels the rest if the consumer stops."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: Job):
+        try:
+            async for piece in service.stream(job):
+                await queue.put((index, piece))
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    finished = 0
+    try:
+        while finished < len(jobs):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            finished += item.finish is not None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Shape:
+    """What differs between the two endpoints: object names, where text goes, logprob format."""
+
+    def __init__(self, service: GenerationService, chat: bool, model: str):
+        self.service, self.chat, self.model = service, chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def envelope(self, choices: list, usage: dict | None, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or chunk:
+            body["usage"] = usage
+        return body
+
+    def logprobs(self, entries: list, offset: int = 0):
+        if not entries:
+            return None
+        decode = self.service.tokenizer.decode
+        if self.chat:
+            return {"content": [{"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()),
+                                 "top_logprobs": [{"token": decode([k]), "logprob": v, "bytes": list(decode([k]).encode())}
+                                                  for k, v in top]} for t, lp, top in entries]}
+        tokens = [decode([t]) for t, _, _ in entries]
+        offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{decode([k]): v for k, v in top} for _, _, top in entries], "text_offset": offsets}
+
+    def choice(self, index: int, text: str, finish: str | None, logprobs, chunk: bool, first: bool = False) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+
+def _usage(jobs: list[Job], completion_tokens: int) -> dict:
+    prompt = sum(len(j.prompt) for j in {id(j.prompt): j for j in jobs}.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+async def complete(service: GenerationService, jobs: list[Job], chat: bool, model: str) -> dict:
+    shape = _Shape(service, chat, model)
+    texts = [job.echo for job in jobs]
+    entries: list[list] = [[] for _ in jobs]
+    finish: list[str | None] = [None] * len(jobs)
+    tokens = 0
+    async for index, piece in _merged(service, jobs):
+        texts[index] += piece.text
+        entries[index] += piece.logprobs
+        tokens += len(piece.tokens)
+        finish[index] = piece.finish or finish[index]
+    choices = [shape.choice(i, texts[i], finish[i], shape.logprobs(entries[i], len(jobs[i].echo)), chunk=False)
+               for i in range(len(jobs))]
+    return shape.envelope(choices, _usage(jobs, tokens), chunk=False)
+
+
+async def stream(service: GenerationService, jobs: list[Job], chat: bool, model: str, include_usage: bool):
+    """Server-sent events, ready to write."""
+    shape = _Shape(service, chat, model)
+    tokens, started = 0, set()
+    offsets = [len(job.echo) for job in jobs]
+    try:
+        for index, job in enumerate(jobs):  # the first chunk of each choice: the role, or the echoed prompt
+            if chat or job.echo:
+                started.add(index)
+                yield _event(shape.envelope([shape.choice(index, job.echo, None, None, True, first=True)], None, True))
+        async for index, piece in _merged(service, jobs):
+            tokens += len(piece.tokens)
+            if not piece.text and not piece.finish and not piece.logprobs:
+                continue
+            first = chat and index not in started
+            started.add(index)
+            logprobs = shape.logprobs(piece.logprobs, offsets[index])
+            offsets[index] += len(piece.text)
+            yield _event(shape.envelope([shape.choice(index, piece.text, piece.finish, logprobs, True, first)],
+                                        None, True))
+        if include_usage:
+            yield _event(shape.envelope([], _usage(jobs, tokens), chunk=True))
+    except ServingError as exc:
+        yield _event({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+    except Exception as exc:  # noqa: BLE001 - the stream has begun: the client must get an error event
+        yield _event({"error": {"message": f"generation failed: {type(exc).__name__}: {exc}",
+                                "type": "internal_error", "param": None, "code": None}})
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

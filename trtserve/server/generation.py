@@ -1,0 +1,226 @@
+"""Generation serving logic for decoder engines (no FastAPI here): request checks, prompts, one
+async stream of text pieces per sequence with stop strings and streaming hold-back, and routing
+of sequences to the workers that run the continuous batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from trtserve.runtime.sampling import SamplingParams
+from trtserve.server.chat import ChatRenderer
+from trtserve.server.config import ServerConfig, placement
+from trtserve.server.errors import BadRequest, ModelNotFound, ServingError, Unavailable
+from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from trtserve.server.workers import WorkerPool
+
+log = logging.getLogger("trtserve.server")
+PROBE_TIMEOUT = 30.0
+
+
+@dataclass
+class Piece:
+    """New text of one sequence, the tokens it came from, and the finish reason on the last piece."""
+
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list]] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class Job:
+    """One sequence to generate: prompt tokens, sampling, stop strings, and what to echo."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop: list[str]
+    echo: str = ""
+
+
+class GenerationService:
+    kind = "decoder"
+
+    def __init__(self, cfg: ServerConfig, metrics=None):
+        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.runtime import runtime_for
+        from trtserve.runtime.text import load_tokenizer
+
+        self.cfg, self.metrics = cfg, metrics
+        engine = open_engine_dir(cfg.engine_dir, verify=False)  # every worker verifies it
+        manifest = engine.manifest
+        self.tokenizer = load_tokenizer(engine.path)
+        self.model_id = cfg.served_model_name or manifest["model"]["id"]
+        self.max_seq = manifest["shapes"]["total_sequence"]["max"]
+        self.vocab = manifest["model"]["architecture"]["vocab_size"]
+        self.chat = ChatRenderer.for_engine(engine.path)
+        self.created = int(time.time())
+        count, devices, threads, why = placement(cfg.workers)
+        log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
+        options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq)}
+        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, generation=options)
+
+    async def start(self) -> None:
+        await self.pool.start()
+        for worker in self.pool.workers:
+            worker.channel.on_load = self._observe_load
+        await self.probe()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+    async def probe(self) -> None:
+        await self.pool.probe(self._probe_on)
+
+    async def _probe_on(self, worker) -> None:
+        job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
+        async with asyncio.timeout(PROBE_TIMEOUT):
+            async for _ in self.stream(job, worker):
+                pass
+
+    def healthy(self, within: float) -> bool:
+        return self.pool.healthy(within)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    # -- requests to jobs -----------------------------------------------------------------------
+    def completion_jobs(self, request: CompletionRequest) -> list[Job]:
+        self._check_model(request.model)
+        prompts = request.prompt
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise BadRequest("`prompt` is empty: give a string, a list of strings or token arrays", param="prompt")
+        jobs = []
+        for prompt in prompts:
+            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise BadRequest("`prompt` has no tokens: give some text", param="prompt")
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", param="prompt")
+            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if request.echo else ""
+            jobs += self._fan_out(request, ids, request.max_tokens or 16, request.logprobs, echo)
+        return jobs
+
+    def chat_jobs(self, request: ChatCompletionRequest) -> list[Job]:
+        self._check_model(request.model)
+        if self.chat is None:
+            raise BadRequest(f"`{self.model_id}` has no chat template in its tokenizer config: use /v1/completions "
+                             "with a prompt you format yourself", param="messages")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        messages = [{"role": m.role, "content": _text(m.content)} for m in request.messages]
+        ids = self.tokenize(self.chat.render(messages), special=False)
+        limit = request.max_completion_tokens or request.max_tokens or max(self.max_seq - len(ids), 1)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return self._fan_out(request, ids, limit, logprobs, "")
+
+    def _fan_out(self, request, ids: list[int], max_tokens: int, logprobs: int | None, echo: str) -> list[Job]:
+        if request.n > self.cfg.max_n:
+            raise BadRequest(f"`n` is {request.n}; this server allows at most {self.cfg.max_n} (--max-n)", param="n")
+        if len(ids) + max_tokens > self.max_seq:
+            raise BadRequest(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} "
+                             f"is over this engine's context of {self.max_seq} tokens; shorten the prompt or lower "
+                             "max_tokens", param="max_tokens", code="context_length_exceeded")
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise BadRequest("`stop` takes up to 4 non-empty strings", param="stop")
+        jobs = []
+        for i in range(request.n):
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+                top_k=max(request.top_k, 0), seed=None if request.seed is None else request.seed + i,
+                presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                logprobs=logprobs)
+            jobs.append(Job(ids, params, stop, echo))
+        return jobs
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_id}`",
+                                param="model", code="model_not_found")
+
+    # -- one sequence ---------------------------------------------------------------------------
+    async def stream(self, job: Job, worker=None):
+        """Yield Pieces of one sequence. Text that may be the start of a stop string, or an
+        incomplete UTF-8 character, is held back until it is decided."""
+        worker = worker or self.pool.pick()
+        if worker.channel.closed:
+            raise Unavailable(f"worker {worker.index} is restarting; retry the request")
+        seq_id, queue = worker.channel.open(job.prompt, job.params)
+        ids, logprobs, sent, done, tokens_sent = [], [], "", False, 0
+        started = last = time.perf_counter()
+        try:
+            while not done:
+                event = await queue.get()
+                if event.get("error"):
+                    raise _event_error(event["error"], worker.index)
+                now = time.perf_counter()
+                self._observe("ttft" if not ids and last == started else "itl", now - last)
+                last = now
+                finish = event["finish"]
+                if event["token"] >= 0:
+                    ids.append(event["token"])
+                    if event["logprob"] is not None:
+                        logprobs.append((event["token"], event["logprob"], event["top_logprobs"]))
+                text = self.tokenizer.decode(ids)
+                cut = _first_stop(text, job.stop, len(sent))
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                done = finish is not None
+                safe = len(text) if done else _safe_end(text, job.stop)
+                if done or (safe > len(sent) and text.startswith(sent)):
+                    delta = text[len(sent):safe] if text.startswith(sent) else ""
+                    yield Piece(delta, ids[tokens_sent:], logprobs, finish)
+                    tokens_sent, logprobs, sent = len(ids), [], text[:safe]
+            if len(ids) > 1:
+                self._observe("tpot", (last - started) / len(ids))
+            self._observe("tokens", len(ids))
+        finally:
+            worker.channel.close(seq_id, cancel=not done)
+
+    def _observe_load(self, running: int, waiting: int) -> None:
+        if self.metrics is not None:
+            self.metrics.running_seqs.set(sum(len(w.channel.streams) for w in self.pool.workers if w.channel))
+            self.metrics.waiting_seqs.set(waiting)
+
+    def _observe(self, name: str, value: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_generation(name, value)
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
+    """Index of the earliest stop string in `text` (searching from where it could first appear)."""
+    hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_end(text: str, stops: list[str]) -> int:
+    """How much of `text` can be sent: not a trailing U+FFFD (half a character), not a suffix that
+    could grow into a stop string."""
+    end = len(text.rstrip("\ufffd"))
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[:end].endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    return end - hold
+
+
+def _event_error(error: str, worker: int) -> ServingError:
+    if error == "worker_died":
+        return Unavailable(f"worker {worker} stopped while generating this sequence; retry the request")
+    return ServingError(f"the backend failed while generating: {error}")
