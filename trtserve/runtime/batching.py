@@ -145,7 +145,7 @@ class ContinuousBatcher:
         events, done = [], []
         for row, s in enumerate(seqs):
             token, logprob, top = s.sampler.choose(logits[row])
-            if token in self.eos_ids:
+            if token in self.eos_ids and not s.params.ignore_eos:
                 events.append(Event(s.id, -1, logprob, top, finish="stop"))
                 done.append(s.id)
                 continue

@@ -18,6 +18,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks; vLLM's extension)
 
     def to_dict(self) -> dict:
         return asdict(self)

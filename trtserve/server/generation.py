@@ -137,7 +137,7 @@ class GenerationService:
                 max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                 top_k=max(request.top_k, 0), seed=None if request.seed is None else request.seed + i,
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                logprobs=logprobs)
+                logprobs=logprobs, ignore_eos=request.ignore_eos)
             jobs.append(Job(ids, params, stop, echo))
         return jobs
 

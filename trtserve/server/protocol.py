@@ -73,6 +73,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # an extension (vLLM's): 0 or -1 is off
+    ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens tokens whatever comes
     n: int = Field(default=1, ge=1)
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

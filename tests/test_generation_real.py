@@ -1,0 +1,176 @@
+"""Generation with the real SmolLM2 engine: the continuous batcher against plain greedy decoding,
+and the real server against Hugging Face's own `generate`, with the official openai client."""
+
+import concurrent.futures
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import require_package
+from tests.server_process import metric, start_server, stop_server
+
+pytestmark = pytest.mark.models
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Water boils at a temperature of",
+           "In 1492, Christopher Columbus", "The largest planet in the solar system is"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(engines):
+    return engines["smollm2"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    proc, url = start_server(smollm2, "--max-num-seqs", "8", "--max-n", "4")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture()
+def client(server):
+    require_package("openai", "pip install openai")
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def test_continuous_batching_matches_one_sequence_greedy_decoding(smollm2):
+    from trtserve.runtime import generate, load_backend
+    from trtserve.runtime.batching import ContinuousBatcher
+    from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.text import TextEngine
+
+    backend = load_backend(smollm2)
+    text = TextEngine(backend)
+    prompts = {p: text.tokenize([p], add_special_tokens=False)[0] for p in PROMPTS}
+    alone = {}
+    for p, ids in prompts.items():
+        tokens, _ = generate.greedy(backend, np.array([ids]), np.ones((1, len(ids)), np.int64), 12)
+        alone[p] = tokens[0].tolist()
+    batcher = ContinuousBatcher(backend, text.eos_ids, max_num_seqs=3, max_batched_tokens=64)
+    got = {p: [] for p in PROMPTS}
+    joins = {0: PROMPTS[:1], 2: PROMPTS[1:2], 3: PROMPTS[2:]}  # newcomers join a running batch
+    step = 0
+    while step < 3 or batcher.has_work():
+        for p in joins.get(step, []):
+            batcher.add(p, prompts[p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        if step == 5:
+            assert batcher.running == 3 and len(batcher.waiting) == 1  # --max-num-seqs holds the fourth back
+        for event in batcher.step():
+            got[event.id].append(event.token)
+        step += 1
+    assert got == alone
+    batcher.add("gone", prompts[PROMPTS[0]], SamplingParams(max_tokens=50, temperature=0))
+    batcher.add("kept", prompts[PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    first = [e.token for e in batcher.step() if e.id == "kept"]  # prefill gives token 1, the decode step token 2
+    assert batcher.cancel("gone") and batcher.running == 1  # its cache rows are cut out
+    kept = first + [e.token for e in batcher.step() + batcher.step() + batcher.step()]
+    assert kept == alone[PROMPTS[1]][:4] and not batcher.has_work()
+
+
+def test_server_greedy_equals_hugging_face_generate(client, smollm2):
+    import torch
+
+    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.sources import resolve
+
+    source = resolve(MODEL)
+    model = load_torch_model(source, attention="eager")
+    tokenizer = load_tokenizer(source.path)
+    for prompt in PROMPTS[:3]:
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+        expected = out[0, ids["input_ids"].shape[1]:].tolist()
+        if tokenizer.eos_token_id in expected:
+            expected = expected[: expected.index(tokenizer.eos_token_id)]
+        served = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=0)
+        assert served.choices[0].text == tokenizer.decode(expected)
+        assert len(served.choices[0].logprobs.tokens) == len(expected) == served.usage.completion_tokens
+
+
+def test_chat_answers_paris_and_streaming_agrees(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+    assert "Paris" in whole.choices[0].message.content and whole.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_stream_stop_strings_n_and_seeds(client):
+    kwargs = dict(model=MODEL, prompt="Here is a list of fruits:\n1.", max_tokens=30, temperature=0, stop=["\n3."])
+    whole = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == whole.choices[0].text and "\n3." not in streamed and whole.choices[0].finish_reason == "stop"
+    sampled = dict(model=MODEL, prompt=["Once upon a time", "The sky is"], max_tokens=12, temperature=0.9,
+                   seed=11, n=2)
+    first, again = client.completions.create(**sampled), client.completions.create(**sampled)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    echoed = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("The sky is")
+
+
+def test_concurrent_requests_each_get_their_own_answer(client):
+    def one(prompt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+
+    alone = {p: one(p) for p in PROMPTS}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(one, PROMPTS * 2))
+    assert together == [alone[p] for p in PROMPTS * 2]
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("chat/completions", {"messages": []}, "`messages` is empty"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "'wizard'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 5}, "at most 4"),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 5000}, "context of 2048 tokens"),
+    ("completions", {"prompt": "hi", "temperature": 3}, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("completions", {"prompt": "word " * 2100}, "over this engine's context"),
+    ("completions", {"prompt": ""}, "no tokens"),
+    ("embeddings", {"input": "hi"}, "decoder engine"),
+])
+def test_bad_generation_requests_are_openai_shaped_400s(server, path, body, message):
+    response = httpx.post(f"{server}/v1/{path}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and message in error["message"]
+
+
+def test_no_chat_template_is_a_clear_400_and_completions_still_work(smollm2):
+    from trtserve.server.config import ServerConfig
+    from trtserve.server.errors import BadRequest
+    from trtserve.server.generation import GenerationService
+    from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    service = GenerationService(ServerConfig(engine_dir=str(smollm2)))
+    service.chat = None  # as for a tokenizer config without a chat template
+    with pytest.raises(BadRequest, match="no chat template"):
+        service.chat_jobs(ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}]))
+    assert service.completion_jobs(CompletionRequest(model=MODEL, prompt="hi"))[0].prompt
+
+
+def test_client_that_disconnects_mid_stream_frees_its_sequence(server):
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.time() + 20
+    while metric(server, "trtserve_running_sequences") > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "trtserve_running_sequences") == 0
+    tokens = metric(server, "trtserve_generated_tokens_total")
+    time.sleep(1.0)
+    assert metric(server, "trtserve_generated_tokens_total") == tokens  # nothing is generated for it any more
+    assert metric(server, "trtserve_time_to_first_token_seconds_count") > 0

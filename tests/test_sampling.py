@@ -1,0 +1,79 @@
+"""Sampling rules, stop-string hold-back and chat-template rendering (no model needed)."""
+
+import numpy as np
+import pytest
+
+from trtserve.runtime.sampling import Sampler, SamplingParams, log_softmax
+from trtserve.server.chat import ChatRenderer
+from trtserve.server.errors import BadRequest
+from trtserve.server.generation import _first_stop, _safe_end
+
+LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+
+
+def draw(params: SamplingParams, n: int = 4000) -> np.ndarray:
+    sampler = Sampler(params, vocab=4)
+    return np.bincount([sampler.choose(LOGITS)[0] for _ in range(n)], minlength=4) / n
+
+
+def test_greedy_and_top_k_1_take_the_argmax():
+    assert Sampler(SamplingParams(temperature=0), 4).choose(LOGITS)[0] == 0
+    assert Sampler(SamplingParams(temperature=1.5, top_k=1), 4).choose(LOGITS)[0] == 0
+
+
+def test_temperature_1_samples_the_model_distribution():
+    assert np.allclose(draw(SamplingParams(seed=0)), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    assert draw(SamplingParams(seed=1, top_k=2))[2:].sum() == 0
+    freq = draw(SamplingParams(seed=2, top_p=0.75))  # 0.5 + 0.3 reaches 0.75: two tokens stay
+    assert freq[2:].sum() == 0 and np.allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    def run(seed):
+        sampler = Sampler(SamplingParams(seed=seed, temperature=1.0), 4)
+        return [sampler.choose(LOGITS)[0] for _ in range(50)]
+
+    assert run(7) == run(7) and run(7) != run(8)
+
+
+def test_penalties_follow_openai_formula():
+    sampler = Sampler(SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, logprobs=1), 4)
+    first, _, _ = sampler.choose(LOGITS)
+    assert first == 0
+    # token 0 now has count 1: its logit drops by 1.0 + 0.5 = 1.5 (log 0.5 - 1.5 < log 0.3)
+    second, logprob, top = sampler.choose(LOGITS)
+    assert second == 1
+    penalised = LOGITS.copy()
+    penalised[0] -= 1.5
+    assert logprob == pytest.approx(float(log_softmax(penalised)[1]), abs=1e-6) and top[0][0] == 1
+
+
+def test_logprobs_of_the_chosen_token_and_the_top_k():
+    token, logprob, top = Sampler(SamplingParams(temperature=0, logprobs=3), 4).choose(LOGITS)
+    assert token == 0 and logprob == pytest.approx(np.log(0.5), abs=1e-6)
+    assert [t for t, _ in top] == [0, 1, 2]
+
+
+def test_stop_strings_are_found_across_pieces_and_held_back():
+    assert _first_stop("Paris.\nThe", ["\n"], 0) == 6
+    assert _first_stop("abc END", ["END", "c E"], 3) == 2
+    assert _safe_end("Hello wor", ["world!"]) == len("Hello ")  # "wor" may become "world!"
+    assert _safe_end("Hello\ufffd", []) == 5  # half a character waits for its other bytes
+    assert _safe_end("Hello", ["xyz"]) == 5
+
+
+def test_chat_template_renders_roles_and_refuses_bad_messages():
+    renderer = ChatRenderer("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}{{ eos_token }}", eos_token="</s>")
+    text = renderer.render([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<system>Be brief.\n<user>Hi\n<assistant></s>"
+    with pytest.raises(BadRequest, match="empty"):
+        renderer.render([])
+    with pytest.raises(BadRequest, match="'wizard'"):
+        renderer.render([{"role": "wizard", "content": "x"}])
+    strict = ChatRenderer("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(BadRequest, match="roles must alternate"):
+        strict.render([{"role": "user", "content": "x"}])
