@@ -64,8 +64,9 @@ class GenerationService:
 
     async def start(self) -> None:
         await self.pool.start()
-        for worker in self.pool.workers:
-            worker.channel.on_load = self._observe_load
+        if self.metrics is not None:  # read when /metrics is scraped, so never stale
+            self.metrics.running_seqs.set_function(lambda: self._sequences("running"))
+            self.metrics.waiting_seqs.set_function(lambda: self._sequences("waiting"))
         await self.probe()
 
     async def stop(self) -> None:
@@ -167,6 +168,7 @@ class GenerationService:
                 finish = event["finish"]
                 if event["token"] >= 0:
                     ids.append(event["token"])
+                    self._observe("tokens", 1)
                     if event["logprob"] is not None:
                         logprobs.append((event["token"], event["logprob"], event["top_logprobs"]))
                 text = self.tokenizer.decode(ids)
@@ -181,14 +183,12 @@ class GenerationService:
                     tokens_sent, logprobs, sent = len(ids), [], text[:safe]
             if len(ids) > 1:
                 self._observe("tpot", (last - started) / len(ids))
-            self._observe("tokens", len(ids))
         finally:
             worker.channel.close(seq_id, cancel=not done)
 
-    def _observe_load(self, running: int, waiting: int) -> None:
-        if self.metrics is not None:
-            self.metrics.running_seqs.set(sum(len(w.channel.streams) for w in self.pool.workers if w.channel))
-            self.metrics.waiting_seqs.set(waiting)
+    def _sequences(self, state: str) -> int:
+        """Sequences in the workers' batches (running) or queues (waiting), as they last reported."""
+        return sum(getattr(w.channel, state) for w in self.pool.workers if w.channel is not None and w.ready)
 
     def _observe(self, name: str, value: float) -> None:
         if self.metrics is not None:

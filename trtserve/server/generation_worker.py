@@ -41,11 +41,12 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> N
 class GenerationChannel:
     """Server side of one worker's pipe."""
 
-    def __init__(self, conn, loop: asyncio.AbstractEventLoop, on_load=None):
-        self.conn, self.loop, self.on_load = conn, loop, on_load
+    def __init__(self, conn, loop: asyncio.AbstractEventLoop):
+        self.conn, self.loop = conn, loop
         self.streams: dict[str, asyncio.Queue] = {}
         self.lock = threading.Lock()
         self.closed = False
+        self.running = self.waiting = 0  # as the worker reported after its last step
         threading.Thread(target=self._read, name="trtserve-generation-reader", daemon=True).start()
 
     def open(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
@@ -74,11 +75,11 @@ class GenerationChannel:
                 break
             self.loop.call_soon_threadsafe(self._dispatch, events, running, waiting)
         self.closed = True
+        self.running = self.waiting = 0
         self.loop.call_soon_threadsafe(self._fail_all)
 
     def _dispatch(self, events: list[dict], running: int, waiting: int) -> None:
-        if self.on_load:
-            self.on_load(running, waiting)
+        self.running, self.waiting = running, waiting
         for event in events:
             queue = self.streams.get(event["id"])
             if queue is not None:
