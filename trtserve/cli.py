@@ -69,6 +69,29 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from trtserve.eval.report import write_report
+
+    if args.action:
+        if args.action[0] != "report" or len(args.action) != 2:
+            raise TrtServeError("use `trtserve eval [--preset NAME | --grid FILE]` or `trtserve eval report DIR`")
+        print(f"report written to {write_report(Path(args.action[1]))}")
+        return 0
+    from trtserve.eval.grid import load_grid
+    from trtserve.eval.runner import run_grid
+
+    grid = load_grid(args.grid, args.preset if args.preset or args.grid else "quick")
+    out = args.out or Path(f"eval-{grid.name}")
+    try:
+        run_grid(grid, out, resume=args.resume)
+    except KeyboardInterrupt:
+        print(f"interrupted: every configuration measured so far is in {out / 'results.jsonl'}; "
+              f"rerun with --resume to continue", file=sys.stderr)
+        return 130
+    print(f"results in {out}; report written to {write_report(out)}")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from trtserve.doctor import render, report
 
@@ -276,6 +299,14 @@ def make_parser() -> argparse.ArgumentParser:
     probe.add_argument("--report", type=Path, default=None, help="also write the report here (.md, plus .json)")
     probe.set_defaults(func=_cmd_probe)
     _serve_parser(sub)
+    evaluate = sub.add_parser("eval", help="evaluate speed, memory and fidelity over a grid of configurations; "
+                              "`trtserve eval report DIR` rebuilds the report from DIR's results")
+    evaluate.add_argument("action", nargs="*", help="nothing to run a grid, or: report DIR")
+    evaluate.add_argument("--grid", type=Path, default=None, help="grid file (TOML)")
+    evaluate.add_argument("--preset", default=None, help="quick (CI, minutes), paper (>= 480 configurations), full")
+    evaluate.add_argument("--out", type=Path, default=None, help="results directory (default eval-<grid name>)")
+    evaluate.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping what is done")
+    evaluate.set_defaults(func=_cmd_eval)
     doctor = sub.add_parser("doctor", help="list every backend, its version, and whether it can build or run here")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=_cmd_doctor)

@@ -1,0 +1,124 @@
+"""The evaluation grid: presets and grid files, a real quick run whose report is checked for
+internal consistency, resuming, Ctrl-C, and regenerating the report from the JSON lines."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+from trtserve.errors import TrtServeError
+from trtserve.eval.grid import load_grid
+
+
+def test_presets_expand_to_the_promised_sizes():
+    paper = load_grid(preset="paper").configs()
+    runnable_here = [c for c in paper if c.backend != "tensorrt"]
+    assert len(runnable_here) >= 480 and len({c.key for c in paper}) == len(paper)
+    assert not any(c.backend == "torch" and c.precision != "fp32" for c in paper)
+    assert not any(c.backend == "fp16-emulation" and c.precision == "fp32" for c in paper)
+    quick = load_grid(preset="quick").configs()
+    assert quick[0].backend == "torch"  # the baseline of each shape runs first
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('models = ["m"]', "missing keys"),
+    ('models=["m"]\nbackends=["cuda"]\nprecisions=["fp32"]\nbatch=[1]\nsequence=[8]\ninputs=["real"]', "'cuda'"),
+    ('models=["m"]\nbackends=["torch"]\nprecisions=["fp32"]\nbatch=[0]\nsequence=[8]\ninputs=["real"]',
+     "positive integers"),
+    ('models=["m"]\ncolour="red"', "unknown keys"),
+    ("models = [", "not valid TOML"),
+])
+def test_bad_grid_files_are_clear_errors(tmp_path, text, message):
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    with pytest.raises(TrtServeError, match=message):
+        load_grid(path)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(TrtServeError, match="paper"):
+        load_grid(preset="nope")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "quick"
+    result = run_cli("eval", "--preset", "quick", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def rows_of(out):
+    from trtserve.eval.report import load_rows
+
+    return load_rows(out)  # complete lines only
+
+
+@pytest.mark.models
+def test_quick_run_report_is_internally_consistent(quick_run):
+    rows = rows_of(quick_run)
+    assert len(rows) == len(load_grid(preset="quick").configs()) == len({r["key"] for r in rows})
+    assert all(r["status"] == "ok" for r in rows)
+    base = {(r["batch"], r["sequence"], r["input"]): r["latency_ms"]["p50"] for r in rows if r["backend"] == "torch"}
+    summary = json.loads((quick_run / "summary.json").read_text())
+    for name, speed in summary["speedup"].items():
+        model, backend, precision = name.split("/")
+        ratios = [base[(r["batch"], r["sequence"], r["input"])] / r["latency_ms"]["p50"] for r in rows
+                  if (r["backend"], r["precision"]) == (backend, precision)]
+        assert math.isclose(speed["best"], max(ratios)) and min(ratios) <= speed["median"] <= max(ratios)
+    for r in rows:
+        p = r["latency_ms"]
+        assert r["runs"] >= 3 and p["p50"] <= p["p95"] <= p["p99"]
+        assert math.isclose(r["tokens_per_s"], r["sequences_per_s"] * r["sequence"])
+        if r["backend"] == "torch":
+            assert r["fidelity"]["cosine"] == pytest.approx(1.0, abs=1e-12)
+        elif r["precision"] == "fp32":
+            assert r["fidelity"]["cosine"] > 0.99999 and r["fidelity"]["nonfinite"] == 0
+        else:
+            assert r["fidelity"]["worst_row_cosine"] > 0.999
+    sizes = {(r["backend"], r["precision"]): r["engine_bytes"] for r in rows}
+    assert sizes[("onnxruntime", "hybrid")] < 0.6 * sizes[("onnxruntime", "fp32")]
+    report = (quick_run / "report.md").read_text()
+    assert "## Speedup over torch fp32" in report and "fp16-emulation/hybrid" in report
+    for plot in ("latency", "speedup", "fidelity", "memory"):
+        assert (quick_run / f"{plot}-all-MiniLM-L6-v2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.models
+def test_resume_runs_only_what_is_missing_and_report_regenerates(quick_run, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    lines = (quick_run / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text("\n".join(lines[:-5]) + "\n" + lines[-5][:20])  # the last line cut short
+    again = run_cli("eval", "--preset", "quick", "--out", str(out))
+    assert again.returncode == 2 and "--resume" in again.stderr  # never overwrites results silently
+    resumed = run_cli("eval", "--preset", "quick", "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "27 already measured, 5 to run" in resumed.stderr
+    assert sorted({r["key"] for r in rows_of(out) if "status" in r}) == sorted(r["key"] for r in rows_of(quick_run))
+    (out / "report.md").unlink()
+    assert run_cli("eval", "report", str(out)).returncode == 0 and (out / "report.md").is_file()
+
+
+@pytest.mark.models
+def test_ctrl_c_keeps_every_measured_line(quick_run, tmp_path):
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "trtserve", "eval", "--preset", "quick", "--out", str(out)],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "results.jsonl").is_file() or len((out / "results.jsonl").read_text().splitlines()) < 4:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be interrupted"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) >= 4 and all(json.loads(line)["status"] == "ok" for line in lines)  # none half written
+    assert "rerun with --resume" in err
+    resumed = run_cli("eval", "--preset", "quick", "--out", str(out), "--resume")
+    assert resumed.returncode == 0 and len(rows_of(out)) == len(load_grid(preset="quick").configs())

@@ -1,0 +1,105 @@
+"""An evaluation grid is data (TOML): models x backends x precisions x batch x sequence x input
+kind. This module reads one (or a named preset) and expands it into configurations."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtserve.errors import TrtServeError
+
+PRESETS = Path(__file__).parent / "presets"
+BACKENDS = ("torch", "onnxruntime", "fp16-emulation", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "hybrid", "auto")
+INPUTS = ("real", "random")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    backend: str
+    precision: str
+    batch: int
+    sequence: int
+    input: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.backend}/{self.precision}/b{self.batch}/s{self.sequence}/{self.input}"
+
+    @property
+    def shape(self) -> tuple:
+        """What the torch fp32 baseline of this configuration shares with it."""
+        return (self.model, self.batch, self.sequence, self.input)
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    models: tuple[str, ...]
+    backends: tuple[str, ...]
+    precisions: tuple[str, ...]
+    batch: tuple[int, ...]
+    sequence: tuple[int, ...]
+    inputs: tuple[str, ...]
+    seed: int = 0
+    min_runs: int = 5
+    min_seconds: float = 0.5
+    token_limits: tuple = ()  # (model, largest batch x sequence) pairs: shapes above are left out
+
+    def configs(self) -> list[Config]:
+        """Every meaningful combination, baselines first within each shape: torch runs fp32 only,
+        fp16 emulation only the mixed policies."""
+        out = []
+        limits = dict(self.token_limits)
+        for model in self.models:
+            for batch in self.batch:
+                for sequence in self.sequence:
+                    if batch * sequence > limits.get(model, batch * sequence):
+                        continue
+                    for kind in self.inputs:
+                        for backend in self.backends:
+                            for precision in self.precisions:
+                                if backend == "torch" and precision != "fp32":
+                                    continue
+                                if backend == "fp16-emulation" and precision == "fp32":
+                                    continue
+                                out.append(Config(model, backend, precision, batch, sequence, kind))
+        return out
+
+
+def load_grid(path: Path | None = None, preset: str | None = None) -> Grid:
+    if (path is None) == (preset is None):
+        raise TrtServeError("give a grid file (--grid FILE) or a preset (--preset quick|paper|full)")
+    if preset is not None:
+        path = PRESETS / f"{preset}.toml"
+        if not path.is_file():
+            names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.toml")))
+            raise TrtServeError(f"no preset {preset!r}: choose one of {names}")
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise TrtServeError(f"--grid {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TrtServeError(f"--grid {path} is not valid TOML: {exc}") from None
+    allowed = {"models", "backends", "precisions", "batch", "sequence", "inputs", "seed", "min_runs", "min_seconds",
+               "token_limits"}
+    unknown = set(data) - allowed
+    if unknown:
+        raise TrtServeError(f"{path}: unknown keys {sorted(unknown)}; a grid has {sorted(allowed)}")
+    missing = {"models", "backends", "precisions", "batch", "sequence", "inputs"} - set(data)
+    if missing:
+        raise TrtServeError(f"{path}: missing keys {sorted(missing)}")
+    for key, choices in (("backends", BACKENDS), ("precisions", PRECISIONS), ("inputs", INPUTS)):
+        bad = [v for v in data[key] if v not in choices]
+        if bad:
+            raise TrtServeError(f"{path}: {key} {bad} are not known; choose from {', '.join(choices)}")
+    for key in ("batch", "sequence"):
+        if not data[key] or any(not isinstance(v, int) or v < 1 for v in data[key]):
+            raise TrtServeError(f"{path}: {key} must be a list of positive integers")
+    limits = data.pop("token_limits", {})
+    if not isinstance(limits, dict) or any(not isinstance(v, int) or v < 1 for v in limits.values()):
+        raise TrtServeError(f"{path}: token_limits maps a model to the largest batch x sequence to run")
+    return Grid(name=Path(path).stem, token_limits=tuple(sorted(limits.items())),
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

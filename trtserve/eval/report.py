@@ -1,0 +1,192 @@
+"""The evaluation report, made from results.jsonl alone: Markdown tables and matplotlib PNGs.
+Speedup is the torch fp32 baseline's p50 of the same model, batch, length and input over the row's p50."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from trtserve.errors import TrtServeError
+from trtserve.eval.runner import RESULTS
+
+REPORT = "report.md"
+
+
+def load_rows(out: Path) -> list[dict]:
+    path = Path(out) / RESULTS
+    if not path.is_file():
+        raise TrtServeError(f"{path} does not exist: run `trtserve eval --out {out}` first")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by an interrupted run
+    return rows
+
+
+def with_speedup(rows: list[dict]) -> list[dict]:
+    base = {(r["model"], r["batch"], r["sequence"], r["input"]): r["latency_ms"]["p50"]
+            for r in rows if r.get("status") == "ok" and r["backend"] == "torch"}
+    for r in rows:
+        shape = (r["model"], r["batch"], r["sequence"], r["input"])
+        if r.get("status") == "ok" and shape in base:
+            r["speedup"] = base[shape] / r["latency_ms"]["p50"]
+    return rows
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def _groups(rows, *keys):
+    out = defaultdict(list)
+    for r in rows:
+        out[tuple(r[k] for k in keys)].append(r)
+    return dict(sorted(out.items()))
+
+
+def summary(rows: list[dict]) -> dict:
+    """The headline numbers, also used by the Markdown tables."""
+    ok = [r for r in with_speedup(rows) if r.get("status") == "ok"]
+    timed = [r for r in ok if r["backend"] in ("onnxruntime", "tensorrt")]
+    speed = {f"{m}/{b}/{p}": {"best": max(r["speedup"] for r in g), "median": _median(r["speedup"] for r in g)}
+             for (m, b, p), g in _groups([r for r in timed if "speedup" in r], "model", "backend", "precision").items()}
+    fidelity = {}
+    for (m, b, p), g in _groups([r for r in ok if "fidelity" in r and r["backend"] != "torch"],
+                                "model", "backend", "precision").items():
+        fid = [r["fidelity"] for r in g]
+        fidelity[f"{m}/{b}/{p}"] = {
+            "min_cosine": min(f["cosine"] for f in fid),
+            "min_worst_token_cosine": min(f["worst_row_cosine"] for f in fid),
+            "median_worst_token_cosine": _median(f["worst_row_cosine"] for f in fid),
+            "nonfinite_rate": {kind: _median(r["fidelity"]["nonfinite_rate"] for r in g if r["input"] == kind)
+                               for kind in ("real", "random")},
+            "top1": _median(f.get("top1") for f in fid) if any("top1" in f for f in fid) else None}
+    memory = {f"{m}/{b}/{p}": {"loaded_mb": _median((r.get("backend_load_bytes") or 0) / 1e6 for r in g),
+                                "median_working_mb": _median((r.get("working_bytes") or 0) / 1e6 for r in g),
+                                "max_working_mb": max((r.get("working_bytes") or 0) / 1e6 for r in g),
+                                "engine_mb": g[0]["engine_bytes"] / 1e6}
+              for (m, b, p), g in _groups(ok, "model", "backend", "precision").items()}
+    not_run = sorted({f"{r['backend']}: {r['why']}" for r in rows if r.get("status") in ("skipped", "failed")})
+    return {"configurations": len(rows), "measured": len(ok), "speedup": speed, "fidelity": fidelity,
+            "memory": memory, "not_run": not_run}
+
+
+def write_report(out: Path) -> Path:
+    out = Path(out)
+    rows = with_speedup(load_rows(out))
+    facts = summary(rows)
+    grid = json.loads((out / "grid.json").read_text()) if (out / "grid.json").is_file() else {}
+    plots = _plots(rows, out)
+    lines = [f"# Evaluation: {grid.get('grid', {}).get('name', out.name)}", "",
+             f"{facts['measured']} of {facts['configurations']} configurations measured. Machine and versions: "
+             f"`{json.dumps(grid.get('environment', {}))}`.", "",
+             "Speedup is the torch fp32 baseline's p50 latency of the same model, batch, length and input divided "
+             "by the row's p50. The fp16-emulation backend runs ONNX Runtime on a graph that rounds every fp16 "
+             "node's inputs and outputs to fp16: its latency means nothing, its fidelity predicts an fp16 GPU.", "",
+             "## Speedup over torch fp32", "", "| model / backend / policy | best | median |", "|---|---|---|"]
+    lines += [f"| {k} | {v['best']:.2f}x | {v['median']:.2f}x |" for k, v in facts["speedup"].items()]
+    lines += ["", "## Fidelity against torch fp32", "",
+              "| model / backend / policy | min cosine | min worst-token cosine | median worst-token cosine | "
+              "NaN/Inf rate real | NaN/Inf rate random | top-1 |", "|---|---|---|---|---|---|---|"]
+    for k, v in facts["fidelity"].items():
+        top1 = "" if v["top1"] is None else f"{v['top1']:.4f}"
+        lines.append(f"| {k} | {v['min_cosine']:.6f} | {v['min_worst_token_cosine']:.6f} | "
+                     f"{v['median_worst_token_cosine']:.6f} | {v['nonfinite_rate']['real']:.2e} | "
+                     f"{v['nonfinite_rate']['random']:.2e} | {top1} |")
+    lines += ["", "## Memory", "",
+              "Loaded: RSS growth when the backend was loaded (weights and runtime). Working: peak RSS during a "
+              "configuration above RSS at its start (activations, outputs). ONNX Runtime on the CPU keeps fp16 "
+              "weights as fp32 (it has no fp16 GEMM), so fp16 saves file size here, not RSS.", "",
+              "| model / backend / policy | loaded | working, median | working, max | engine (model.onnx) |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {k} | {v['loaded_mb']:.0f} MB | {v['median_working_mb']:.0f} MB | {v['max_working_mb']:.0f} MB | "
+              f"{v['engine_mb']:.1f} MB |" for k, v in facts["memory"].items()]
+    if facts["not_run"]:
+        lines += ["", "## Not run", ""] + [f"- {why}" for why in facts["not_run"]]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    (out / "summary.json").write_text(json.dumps(facts, indent=1))
+    (out / REPORT).write_text("\n".join(lines) + "\n")
+    return out / REPORT
+
+
+def _plots(rows: list[dict], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError:
+        raise TrtServeError("plots need matplotlib: pip install 'trtserve[eval]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    made = []
+    for model, group in _groups(ok, "model").items():
+        model = model[0]
+        slug = model.replace("/", "_")
+        batch = min(r["batch"] for r in group)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (b, p), g in _groups([r for r in group if r["batch"] == batch and r["input"] == "real"
+                                  and r["backend"] != "fp16-emulation"], "backend", "precision").items():
+            g = sorted(g, key=lambda r: r["sequence"])
+            ax.plot([r["sequence"] for r in g], [r["latency_ms"]["p50"] for r in g], marker="o", label=f"{b} {p}")
+        ax.set(xlabel="sequence length", ylabel="p50 latency (ms)", title=f"{model}, batch {batch}, real text",
+               xscale="log", yscale="log")
+        ax.legend(fontsize=7)
+        made.append(_save(fig, out / f"latency-{slug}.png"))
+
+        fast = [r for r in group if r["backend"] == "onnxruntime" and r["precision"] != "fp32" and "speedup" in r
+                and r["input"] == "real"]
+        if fast:
+            policy = max({r["precision"] for r in fast}, key=lambda p: _median(r["speedup"] for r in fast
+                                                                                  if r["precision"] == p))
+            cells = {(r["batch"], r["sequence"]): r["speedup"] for r in fast if r["precision"] == policy}
+            batches, seqs = sorted({b for b, _ in cells}), sorted({s for _, s in cells})
+            grid = [[cells.get((b, s), float("nan")) for s in seqs] for b in batches]
+            fig, ax = plt.subplots(figsize=(6, 4))
+            image = ax.imshow(grid, cmap="viridis", aspect="auto")
+            ax.set(xticks=range(len(seqs)), xticklabels=seqs, yticks=range(len(batches)), yticklabels=batches,
+                   xlabel="sequence length", ylabel="batch", title=f"{model}: onnxruntime {policy} speedup vs torch fp32")
+            for i, row in enumerate(grid):
+                for j, value in enumerate(row):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w", fontsize=7)
+            fig.colorbar(image)
+            made.append(_save(fig, out / f"speedup-{slug}.png"))
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (b, p), g in _groups([r for r in group if "fidelity" in r and r["backend"] != "torch"],
+                                 "backend", "precision").items():
+            by_len = _groups(g, "sequence")
+            ax.plot([s for (s,) in by_len], [min(r["fidelity"]["worst_row_cosine"] for r in v) for v in by_len.values()],
+                    marker="o", label=f"{b} {p}")
+        ax.set(xlabel="sequence length", ylabel="min worst-token cosine", title=f"{model}: fidelity vs torch fp32",
+               xscale="log")
+        ax.legend(fontsize=7)
+        made.append(_save(fig, out / f"fidelity-{slug}.png"))
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        labels, rss, size = [], [], []
+        for (b, p), g in _groups([r for r in group if r["backend"] != "fp16-emulation"], "backend", "precision").items():
+            labels.append(f"{b}\n{p}")
+            rss.append(_median(((r.get("backend_load_bytes") or 0) + (r.get("working_bytes") or 0)) / 1e6 for r in g))
+            size.append(g[0]["engine_bytes"] / 1e6)
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], rss, width=0.4, label="loaded + median working RSS (MB)")
+        ax.bar([x + 0.2 for x in xs], size, width=0.4, label="model.onnx (MB)")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set(title=f"{model}: memory per precision")
+        ax.legend(fontsize=7)
+        made.append(_save(fig, out / f"memory-{slug}.png"))
+    return made
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,289 @@
+"""Run an evaluation grid: one JSON line per configuration, appended and flushed as soon as it is
+measured, so a rerun with --resume skips what is done and Ctrl-C loses nothing measured.
+
+Per configuration: latency (warm-up, then runs until both min_runs and min_seconds are reached;
+p50/p95/p99), throughput, peak RSS during the configuration, engine size, and fidelity of the
+output against the torch fp32 baseline on the same batch (cosine, worst-token cosine, max abs
+error, NaN/Inf count, top-1 for decoders)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trtserve.eval.grid import Config, Grid
+from trtserve.progress import say
+
+RESULTS = "results.jsonl"
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.started = total, 0, time.time()
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        rate = (time.time() - self.started) / self.done
+        eta = rate * (self.total - self.done)
+        width = 30
+        filled = int(width * self.done / self.total)
+        say(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} ETA {eta:5.0f}s {label}")
+
+
+def finished_keys(out: Path) -> set[str]:
+    path = out / RESULTS
+    if not path.is_file():
+        return set()
+    keys = set()
+    for line in path.read_text().splitlines():
+        try:
+            keys.add(json.loads(line)["key"])
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut by a crash: that configuration runs again
+    return keys
+
+
+def environment() -> dict:
+    import onnxruntime
+    import torch
+
+    from trtserve import __version__
+    from trtserve.runtime.base import available_cores
+
+    return {"trtserve": __version__, "machine": platform.machine(), "processor": platform.processor(),
+            "cores": available_cores(), "python": platform.python_version(), "torch": torch.__version__,
+            "onnxruntime": onnxruntime.__version__}
+
+
+def run_grid(grid: Grid, out: Path, resume: bool = False) -> Path:
+    from trtserve.errors import TrtServeError
+
+    out.mkdir(parents=True, exist_ok=True)
+    done = finished_keys(out) if resume else set()
+    if not resume and (out / RESULTS).exists():
+        raise TrtServeError(f"{out / RESULTS} exists: pass --resume to continue it, or choose another --out")
+    configs = [c for c in grid.configs() if c.key not in done]
+    (out / "grid.json").write_text(json.dumps({"grid": grid.__dict__, "environment": environment()}, indent=1,
+                                              default=list))
+    say(f"eval {grid.name}: {len(grid.configs())} configurations, {len(done)} already measured, {len(configs)} to run")
+    session = _Session(grid, out)
+    progress = Progress(max(len(configs), 1))
+    path = out / RESULTS
+    if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+        with open(path, "a") as sink:  # a line cut by a crash stays on its own, ignored
+            sink.write("\n")
+    with open(path, "a") as sink:
+        for config in configs:
+            row = session.measure(config)
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            progress.tick(config.key)
+    session.close()
+    return out / RESULTS
+
+
+class _Session:
+    """Engines, backends, inputs and baseline outputs, each made once and reused across configurations."""
+
+    def __init__(self, grid: Grid, out: Path):
+        self.grid, self.out = grid, out
+        self.engines: dict[tuple, object] = {}
+        self.backends: dict[tuple, object] = {}
+        self.references: dict[tuple, np.ndarray] = {}
+        self.why_not: dict[str, str] = {}
+        self.loaded_bytes: dict[tuple, int | None] = {}  # RSS growth when a backend was loaded
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            if backend is not None:
+                backend.close()
+
+    def measure(self, config: Config) -> dict:
+        row = {"key": config.key, **config.__dict__, "seed": self.grid.seed, "time": time.time()}
+        backend = self._backend(config)
+        if backend is None:
+            return {**row, "status": "skipped", "why": self.why_not[config.backend]}
+        feeds = self._feeds(config, backend)
+        _reset_peak_rss()
+        before = _rss("VmRSS")
+        try:
+            samples, output = _timed(backend, feeds, self.grid.min_runs, self.grid.min_seconds)
+        except Exception as exc:  # recorded, not fatal: the grid goes on
+            return {**row, "status": "failed", "why": f"{type(exc).__name__}: {exc}"}
+        engine = self.engines[(config.model, "fp32" if config.backend == "torch" else config.precision)]
+        peak = _rss("VmHWM")
+        working = None if peak is None or before is None else max(peak - before, 0)
+        loaded = self.loaded_bytes.get((config.model, config.backend, config.precision))
+        row.update(status="ok", runs=len(samples), **_latency(samples, config), peak_rss_bytes=peak,
+                   working_bytes=working, backend_load_bytes=loaded,
+                   memory_bytes=None if working is None or loaded is None else working + loaded,
+                   engine_bytes=(engine.path / "model.onnx").stat().st_size,
+                   engine_sha256=engine.manifest["onnx"]["sha256"])
+        output = _sampled(output)
+        if config.backend == "torch":
+            self.references[config.shape] = output
+        reference = self._reference(config, feeds) if "torch" in self.grid.backends else None
+        if reference is not None:
+            row["fidelity"] = _fidelity(reference, output, engine.manifest["model"]["kind"])
+        return row
+
+    def _reference(self, config: Config, feeds: dict) -> np.ndarray:
+        """The torch fp32 output of this shape (computed here when a resumed run lost it)."""
+        if config.shape not in self.references:
+            torch_config = Config(config.model, "torch", "fp32", config.batch, config.sequence, config.input)
+            output = self._backend(torch_config).infer(feeds)
+            self.references[config.shape] = _sampled(output.get("logits", output.get("last_hidden_state")))
+        return self.references[config.shape]
+
+    def _engine(self, model: str, precision: str):
+        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.engine_builder.build import BuildConfig, build_engine
+        from trtserve.errors import EngineDirError
+        from trtserve.models.sources import cache_root
+
+        key = (model, precision)
+        if key not in self.engines:
+            max_seq, max_batch = max(max(self.grid.sequence), 2), max(self.grid.batch)
+            path = cache_root() / "eval" / f"{model}-{precision}-b{max_batch}-s{max_seq}"
+            try:
+                self.engines[key] = open_engine_dir(path)
+            except EngineDirError:
+                say(f"eval: building the {precision} engine of {model} (once, cached at {path})")
+                self.engines[key] = build_engine(BuildConfig(model=model, out=path, precision=precision,
+                                                             max_batch=max_batch, max_seq=max_seq,
+                                                             allow_low_fidelity=True))
+        return self.engines[key]
+
+    def _backend(self, config: Config):
+        key = (config.model, config.backend, config.precision)
+        if key in self.backends:
+            return self.backends[key]
+        from trtserve.runtime import load_backend
+        from trtserve.runtime.base import available_cores
+
+        backend = None
+        before = _rss("VmRSS")
+        if config.backend == "tensorrt":
+            from trtserve.runtime.devices import cuda_devices
+
+            gpus, why = cuda_devices()
+            self.why_not["tensorrt"] = f"needs a GPU and TensorRT: {why}" if not gpus else ""
+            if gpus:
+                self.why_not["tensorrt"] = "TensorRT engines are not built by the evaluation yet"
+        elif config.backend == "torch":
+            backend = load_backend(self._engine(config.model, "fp32").path, "torch", threads=available_cores())
+        elif config.backend == "onnxruntime":
+            backend = load_backend(self._engine(config.model, config.precision).path)
+        else:
+            backend = self._emulation(config)
+        after = _rss("VmRSS")
+        self.loaded_bytes[key] = None if before is None or after is None else max(after - before, 0)
+        self.backends[key] = backend
+        return backend
+
+    def _emulation(self, config: Config):
+        """ONNX Runtime on the fp16 emulation graph: what an fp16 GPU would compute (fidelity only)."""
+        import onnx
+
+        from trtserve.precision.passes import emulation_model
+        from trtserve.precision.policy import policy_from_manifest
+        from trtserve.runtime.ort import OrtBackend
+
+        engine = self._engine(config.model, config.precision)
+        graph = self.out / "emulation" / f"{config.model}-{config.precision}.onnx"
+        if not graph.is_file():
+            graph.parent.mkdir(parents=True, exist_ok=True)
+            fp32 = onnx.load(engine.manifest["onnx"]["fp32_export_cache"])
+            onnx.save(emulation_model(fp32, policy_from_manifest(engine.manifest["precision"])), str(graph))
+        return OrtBackend(engine, graph=graph)
+
+    def _feeds(self, config: Config, backend) -> dict:
+        from trtserve.runtime.generate import start
+
+        rng = np.random.default_rng([self.grid.seed, config.batch, config.sequence])
+        vocab = backend.engine.manifest["model"]["architecture"]["vocab_size"]
+        if config.input == "random":
+            ids = rng.integers(1000 if vocab > 2000 else 0, vocab, size=(config.batch, config.sequence))
+        else:
+            ids = _real_ids(backend.engine, config.batch, config.sequence)
+        ids = ids.astype(np.int64)
+        mask = np.ones_like(ids)
+        names = {spec.name for spec in backend.inputs}
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in names:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        if "position_ids" in names:
+            feeds["position_ids"] = np.tile(np.arange(config.sequence, dtype=np.int64), (config.batch, 1))
+            feeds.update(start(backend, config.batch).past)
+        return feeds
+
+
+def _real_ids(engine, batch: int, sequence: int) -> np.ndarray:
+    """Rows of `sequence` consecutive tokens of Wikipedia text, a different passage per row."""
+    from trtserve.eval.data import wiki_text
+    from trtserve.runtime.text import load_tokenizer
+
+    tokenizer = load_tokenizer(engine.path)
+    rows = []
+    for i in range(batch):
+        ids = tokenizer.encode(wiki_text(2 * sequence, 10 * i), add_special_tokens=False).ids
+        rows.append(ids[:sequence])
+    return np.array(rows)
+
+
+def _timed(backend, feeds: dict, min_runs: int, min_seconds: float) -> tuple[list[float], np.ndarray]:
+    output_name = "logits" if "logits" in {s.name for s in backend.outputs} else "last_hidden_state"
+    backend.infer(feeds)  # warm-up
+    samples, started = [], time.perf_counter()
+    while len(samples) < min_runs or (time.perf_counter() - started < min_seconds and len(samples) < 200):
+        t0 = time.perf_counter()
+        result = backend.infer(feeds)
+        samples.append(time.perf_counter() - t0)
+    return samples, result[output_name]
+
+
+def _sampled(output: np.ndarray, positions: int = 64) -> np.ndarray:
+    """At most `positions` evenly spaced positions per row: decoder logits of a large batch would
+    otherwise take gigabytes to keep as a reference."""
+    step = max(1, output.shape[1] // positions) if output.ndim == 3 else 1
+    return np.ascontiguousarray(output[:, ::step]) if output.ndim == 3 else output
+
+
+def _latency(samples: list[float], config: Config) -> dict:
+    ms = np.array(samples) * 1000
+    p50 = float(np.percentile(ms, 50))
+    return {"latency_ms": {"p50": p50, "p95": float(np.percentile(ms, 95)), "p99": float(np.percentile(ms, 99)),
+                           "mean": float(ms.mean())},
+            "sequences_per_s": config.batch / (p50 / 1000), "tokens_per_s": config.batch * config.sequence / (p50 / 1000)}
+
+
+def _fidelity(reference: np.ndarray, output: np.ndarray, kind: str) -> dict:
+    from trtserve.precision.fidelity import compare, top1_agreement
+
+    result = compare(reference, output)
+    result["nonfinite_rate"] = result["nonfinite"] / max(output.size, 1)
+    if kind == "decoder":
+        result["top1"] = top1_agreement(reference, output)
+    return result
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux 4.0+)
+    except OSError:
+        pass
+
+
+def _rss(field: str) -> int | None:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
