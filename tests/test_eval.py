@@ -83,6 +83,10 @@ def test_quick_run_report_is_internally_consistent(quick_run):
             assert r["fidelity"]["worst_row_cosine"] > 0.999
     sizes = {(r["backend"], r["precision"]): r["engine_bytes"] for r in rows}
     assert sizes[("onnxruntime", "hybrid")] < 0.6 * sizes[("onnxruntime", "fp32")]
+    down = json.loads((quick_run / "downstream.json").read_text())
+    assert down["accuracy"]["torch/fp32"] > 0.6  # better than chance (0.5) on 60 held-out real sentences
+    assert down["flips_vs_fp32"]["torch/fp32"] == 0 and down["flips_vs_fp32"]["onnxruntime/fp32"] == 0
+    assert set(down["accuracy"]) == {"torch/fp32", "onnxruntime/fp32", "onnxruntime/hybrid", "fp16-emulation/hybrid"}
     report = (quick_run / "report.md").read_text()
     assert "## Speedup over torch fp32" in report and "fp16-emulation/hybrid" in report
     for plot in ("latency", "speedup", "fidelity", "memory"):

@@ -106,6 +106,13 @@ def write_report(out: Path) -> Path:
               "|---|---|---|---|---|"]
     lines += [f"| {k} | {v['loaded_mb']:.0f} MB | {v['median_working_mb']:.0f} MB | {v['max_working_mb']:.0f} MB | "
               f"{v['engine_mb']:.1f} MB |" for k, v in facts["memory"].items()]
+    if (out / "downstream.json").is_file():
+        down = json.loads((out / "downstream.json").read_text())
+        facts["downstream"] = down
+        lines += ["", "## Downstream accuracy (sentiment head on MiniLM embeddings)", "",
+                  f"{down['data']}; {down['head']} (training accuracy {down['train_accuracy_fp32']:.3f}).", "",
+                  "| backend / policy | held-out accuracy | predictions that differ from torch fp32 |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.3f} | {down['flips_vs_fp32'][k]} |" for k, v in down["accuracy"].items()]
     if facts["not_run"]:
         lines += ["", "## Not run", ""] + [f"- {why}" for why in facts["not_run"]]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]

@@ -82,6 +82,7 @@ def run_grid(grid: Grid, out: Path, resume: bool = False) -> Path:
             sink.write(json.dumps(row) + "\n")
             sink.flush()
             progress.tick(config.key)
+    session.downstream()
     session.close()
     return out / RESULTS
 
@@ -139,6 +140,24 @@ class _Session:
             self.references[config.shape] = _sampled(output.get("logits", output.get("last_hidden_state")))
         return self.references[config.shape]
 
+    def downstream(self) -> None:
+        """Sentiment accuracy on held-out real sentences under each backend and policy of the grid's encoders."""
+        from trtserve.eval.sentiment import downstream
+        from trtserve.runtime.text import TextEngine
+
+        for config in self.grid.configs():
+            if config.backend != "torch" or config.input != "real" or config.batch != min(self.grid.batch):
+                continue
+            if self._engine(config.model, "fp32").manifest["model"]["kind"] != "encoder":
+                continue
+            engines = {}
+            for other in self.grid.configs():
+                if other.shape == config.shape and other.backend != "tensorrt":
+                    engines[f"{other.backend}/{other.precision}"] = TextEngine(self._backend(other))
+            say(f"eval: downstream sentiment accuracy of {config.model} under {len(engines)} backends/policies")
+            result = downstream(engines, "torch/fp32", self.out)
+            say("eval: held-out accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in result["accuracy"].items()))
+
     def _engine(self, model: str, precision: str):
         from trtserve.engine_builder.artifact import open_engine_dir
         from trtserve.engine_builder.build import BuildConfig, build_engine
@@ -147,7 +166,8 @@ class _Session:
 
         key = (model, precision)
         if key not in self.engines:
-            max_seq, max_batch = max(max(self.grid.sequence), 2), max(self.grid.batch)
+            # at least 128 tokens: the downstream check embeds whole review sentences (up to about 70)
+            max_seq, max_batch = max(max(self.grid.sequence), 128), max(self.grid.batch)
             path = cache_root() / "eval" / f"{model}-{precision}-b{max_batch}-s{max_seq}"
             try:
                 self.engines[key] = open_engine_dir(path)
