@@ -42,6 +42,28 @@ def _median(values):
     return statistics.median(values) if values else float("nan")
 
 
+def _grid_size(grid: dict | None) -> int | None:
+    if not grid:
+        return None
+    from trtserve.eval.grid import Grid
+
+    return len(Grid(**grid).configs())
+
+
+def _mean_gap(rows) -> float:
+    """Mean of 1 - worst-token cosine (NaN rows count as a gap of 2, the worst possible)."""
+    gaps = [2.0 if r["fidelity"]["worst_row_cosine"] != r["fidelity"]["worst_row_cosine"]
+            else 1 - r["fidelity"]["worst_row_cosine"] for r in rows]
+    return statistics.mean(gaps) if gaps else float("nan")
+
+
+def _ratio(real: float, random: float):
+    """How many times worse real text is than random ids (None when neither shows anything)."""
+    if not real and not random:
+        return None
+    return float("inf") if not random else real / random
+
+
 def _groups(rows, *keys):
     out = defaultdict(list)
     for r in rows:
@@ -65,7 +87,11 @@ def summary(rows: list[dict]) -> dict:
             "median_worst_token_cosine": _median(f["worst_row_cosine"] for f in fid),
             "nonfinite_rate": {kind: _median(r["fidelity"]["nonfinite_rate"] for r in g if r["input"] == kind)
                                for kind in ("real", "random")},
-            "top1": _median(f.get("top1") for f in fid) if any("top1" in f for f in fid) else None}
+            "top1": _median(f.get("top1") for f in fid) if any("top1" in f for f in fid) else None,
+            "mean_cosine_gap": {kind: _mean_gap(r for r in g if r["input"] == kind) for kind in ("real", "random")}}
+        entry = fidelity[f"{m}/{b}/{p}"]
+        entry["real_over_random"] = {name: _ratio(entry[name]["real"], entry[name]["random"])
+                                     for name in ("nonfinite_rate", "mean_cosine_gap")}
     memory = {f"{m}/{b}/{p}": {"loaded_mb": _median((r.get("backend_load_bytes") or 0) / 1e6 for r in g),
                                 "median_working_mb": _median((r.get("working_bytes") or 0) / 1e6 for r in g),
                                 "max_working_mb": max((r.get("working_bytes") or 0) / 1e6 for r in g),
@@ -82,8 +108,10 @@ def write_report(out: Path) -> Path:
     facts = summary(rows)
     grid = json.loads((out / "grid.json").read_text()) if (out / "grid.json").is_file() else {}
     plots = _plots(rows, out)
+    total = grid.get("configurations") or _grid_size(grid.get("grid"))
     lines = [f"# Evaluation: {grid.get('grid', {}).get('name', out.name)}", "",
-             f"{facts['measured']} of {facts['configurations']} configurations measured. Machine and versions: "
+             f"{facts['configurations']} of the grid's {total or '?'} configurations recorded, {facts['measured']} "
+             "measured (the others skipped or failed, with the reason below). Machine and versions: "
              f"`{json.dumps(grid.get('environment', {}))}`.", "",
              "Speedup is the torch fp32 baseline's p50 latency of the same model, batch, length and input divided "
              "by the row's p50. The fp16-emulation backend runs ONNX Runtime on a graph that rounds every fp16 "
@@ -98,6 +126,15 @@ def write_report(out: Path) -> Path:
         lines.append(f"| {k} | {v['min_cosine']:.6f} | {v['min_worst_token_cosine']:.6f} | "
                      f"{v['median_worst_token_cosine']:.6f} | {v['nonfinite_rate']['real']:.2e} | "
                      f"{v['nonfinite_rate']['random']:.2e} | {top1} |")
+    lines += ["", "## Real text against random token ids", "",
+              "How many times larger the NaN/Inf rate and the mean worst-token cosine gap (1 - cosine) are on real "
+              "text than on random ids, same shapes (a ratio above 1: random ids underestimate the risk).", "",
+              "| model / backend / policy | NaN/Inf rate, real / random | cosine gap, real / random |", "|---|---|---|"]
+    for k, v in facts["fidelity"].items():
+        if k.split("/")[2] == "fp32":
+            continue
+        ratios = v["real_over_random"]
+        lines.append(f"| {k} | {_fmt_ratio(ratios['nonfinite_rate'])} | {_fmt_ratio(ratios['mean_cosine_gap'])} |")
     lines += ["", "## Memory", "",
               "Loaded: RSS growth when the backend was loaded (weights and runtime). Working: peak RSS during a "
               "configuration above RSS at its start (activations, outputs). ONNX Runtime on the CPU keeps fp16 "
@@ -119,6 +156,10 @@ def write_report(out: Path) -> Path:
     (out / "summary.json").write_text(json.dumps(facts, indent=1))
     (out / REPORT).write_text("\n".join(lines) + "\n")
     return out / REPORT
+
+
+def _fmt_ratio(value) -> str:
+    return "no NaN/Inf either way" if value is None else f"{value:.2f}x"
 
 
 def _plots(rows: list[dict], out: Path) -> list[Path]:

@@ -67,8 +67,8 @@ def run_grid(grid: Grid, out: Path, resume: bool = False) -> Path:
     if not resume and (out / RESULTS).exists():
         raise TrtServeError(f"{out / RESULTS} exists: pass --resume to continue it, or choose another --out")
     configs = [c for c in grid.configs() if c.key not in done]
-    (out / "grid.json").write_text(json.dumps({"grid": grid.__dict__, "environment": environment()}, indent=1,
-                                              default=list))
+    (out / "grid.json").write_text(json.dumps({"grid": grid.__dict__, "configurations": len(grid.configs()),
+                                               "environment": environment()}, indent=1, default=list))
     say(f"eval {grid.name}: {len(grid.configs())} configurations, {len(done)} already measured, {len(configs)} to run")
     session = _Session(grid, out)
     progress = Progress(max(len(configs), 1))
@@ -78,6 +78,7 @@ def run_grid(grid: Grid, out: Path, resume: bool = False) -> Path:
             sink.write("\n")
     with open(path, "a") as sink:
         for config in configs:
+            session.switch_to(config.model)
             row = session.measure(config)
             sink.write(json.dumps(row) + "\n")
             sink.flush()
@@ -102,6 +103,22 @@ class _Session:
         for backend in self.backends.values():
             if backend is not None:
                 backend.close()
+        self.backends.clear()
+
+    def switch_to(self, model: str) -> None:
+        """Free the previous model's sessions (ONNX Runtime keeps each session's peak arena) and build
+        all of this model's engines before any of its backends is loaded: together they do not fit."""
+        if getattr(self, "model", None) == model:
+            return
+        import gc
+
+        self.close()
+        self.references.clear()
+        gc.collect()
+        self.model = model
+        for precision in {"fp32"} | {c.precision for c in self.grid.configs() if c.model == model
+                                      and c.backend in ("onnxruntime", "fp16-emulation")}:
+            self._engine(model, precision)
 
     def measure(self, config: Config) -> dict:
         row = {"key": config.key, **config.__dict__, "seed": self.grid.seed, "time": time.time()}
@@ -145,11 +162,14 @@ class _Session:
         from trtserve.eval.sentiment import downstream
         from trtserve.runtime.text import TextEngine
 
+        done = set()
         for config in self.grid.configs():
-            if config.backend != "torch" or config.input != "real" or config.batch != min(self.grid.batch):
+            if config.backend != "torch" or config.input != "real" or config.model in done:
                 continue
+            done.add(config.model)
             if self._engine(config.model, "fp32").manifest["model"]["kind"] != "encoder":
                 continue
+            self.switch_to(config.model)
             engines = {}
             for other in self.grid.configs():
                 if other.shape == config.shape and other.backend != "tensorrt":
@@ -214,7 +234,9 @@ class _Session:
         from trtserve.runtime.ort import OrtBackend
 
         engine = self._engine(config.model, config.precision)
-        graph = self.out / "emulation" / f"{config.model}-{config.precision}.onnx"
+        from trtserve.models.sources import cache_root
+
+        graph = cache_root() / "eval" / "emulation" / f"{engine.manifest['onnx']['sha256'][:16]}.onnx"
         if not graph.is_file():
             graph.parent.mkdir(parents=True, exist_ok=True)
             fp32 = onnx.load(engine.manifest["onnx"]["fp32_export_cache"])
