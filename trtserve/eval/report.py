@@ -58,7 +58,10 @@ def _mean_gap(rows) -> float:
 
 
 def _ratio(real: float, random: float):
-    """How many times worse real text is than random ids (None when neither shows anything)."""
+    """How many times worse real text is than random ids (None when neither shows anything,
+    NaN when one of the two inputs was not measured)."""
+    if real != real or random != random:
+        return float("nan")
     if not real and not random:
         return None
     return float("inf") if not random else real / random
@@ -159,7 +162,9 @@ def write_report(out: Path) -> Path:
 
 
 def _fmt_ratio(value) -> str:
-    return "no NaN/Inf either way" if value is None else f"{value:.2f}x"
+    if value is None:
+        return "no NaN/Inf either way"
+    return "not measured on both inputs" if value != value else f"{value:.2f}x"
 
 
 def _plots(rows: list[dict], out: Path) -> list[Path]:
