@@ -214,8 +214,8 @@ def _serve_parser(sub) -> None:
                        "0 runs the backend inside the server process)")
     serve.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", 32, int), help="rows per batch")
     serve.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int),
-                       help="padded tokens per batch, rows x longest row (default 16384; at least the engine's "
-                       "max sequence)")
+                       help="padded tokens per batch, rows x longest row (decoders: per prefill of newcomers; "
+                       "default 16384; at least the engine's max sequence)")
     serve.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 16, int),
                        help="decoders: sequences in the running batch (continuous batching; default 16)")
     serve.add_argument("--max-n", type=int, default=_env("MAX_N", 8, int),

@@ -98,6 +98,7 @@ class _Session:
         self.references: dict[tuple, np.ndarray] = {}
         self.why_not: dict[str, str] = {}
         self.loaded_bytes: dict[tuple, int | None] = {}  # RSS growth when a backend was loaded
+        self.model: str | None = None  # the model whose sessions are loaded
 
     def close(self) -> None:
         for backend in self.backends.values():
@@ -108,7 +109,7 @@ class _Session:
     def switch_to(self, model: str) -> None:
         """Free the previous model's sessions (ONNX Runtime keeps each session's peak arena) and build
         all of this model's engines before any of its backends is loaded: together they do not fit."""
-        if getattr(self, "model", None) == model:
+        if self.model == model:
             return
         import gc
 
@@ -153,8 +154,8 @@ class _Session:
         """The torch fp32 output of this shape (computed here when a resumed run lost it)."""
         if config.shape not in self.references:
             torch_config = Config(config.model, "torch", "fp32", config.batch, config.sequence, config.input)
-            output = self._backend(torch_config).infer(feeds)
-            self.references[config.shape] = _sampled(output.get("logits", output.get("last_hidden_state")))
+            backend = self._backend(torch_config)
+            self.references[config.shape] = _sampled(backend.infer(feeds)[_output_name(backend)])
         return self.references[config.shape]
 
     def downstream(self) -> None:
@@ -211,9 +212,8 @@ class _Session:
             from trtserve.runtime.devices import cuda_devices
 
             gpus, why = cuda_devices()
-            self.why_not["tensorrt"] = f"needs a GPU and TensorRT: {why}" if not gpus else ""
-            if gpus:
-                self.why_not["tensorrt"] = "TensorRT engines are not built by the evaluation yet"
+            self.why_not["tensorrt"] = ("TensorRT engines are not built by the evaluation yet" if gpus
+                                        else f"needs a GPU and TensorRT: {why}")
         elif config.backend == "torch":
             backend = load_backend(self._engine(config.model, "fp32").path, "torch", threads=available_cores())
         elif config.backend == "onnxruntime":
@@ -277,8 +277,13 @@ def _real_ids(engine, batch: int, sequence: int) -> np.ndarray:
     return np.array(rows)
 
 
+def _output_name(backend) -> str:
+    """The output fidelity is measured on: logits for decoders, hidden states for encoders."""
+    return "logits" if "logits" in {s.name for s in backend.outputs} else "last_hidden_state"
+
+
 def _timed(backend, feeds: dict, min_runs: int, min_seconds: float) -> tuple[list[float], np.ndarray]:
-    output_name = "logits" if "logits" in {s.name for s in backend.outputs} else "last_hidden_state"
+    output_name = _output_name(backend)
     backend.infer(feeds)  # warm-up
     samples, started = [], time.perf_counter()
     while len(samples) < min_runs or (time.perf_counter() - started < min_seconds and len(samples) < 200):

@@ -156,7 +156,8 @@ class ContinuousBatcher:
             if finish:
                 done.append(s.id)
         if done:
-            self._drop([i for i, s in enumerate(self.batch.seqs) if s.id in set(done)])
+            finished = set(done)
+            self._drop([i for i, s in enumerate(self.batch.seqs) if s.id in finished])
         return events
 
     def _drop(self, rows: list[int]) -> None:
@@ -164,7 +165,8 @@ class ContinuousBatcher:
         if not rows:
             return
         b = self.batch
-        keep = [i for i in range(len(b.seqs)) if i not in set(rows)]
+        gone = set(rows)
+        keep = [i for i in range(len(b.seqs)) if i not in gone]
         b.seqs = [b.seqs[i] for i in keep]
         if not keep:
             self.batch = _Batch()

@@ -26,6 +26,10 @@ def load_tokenizer(engine_path: Path):
     return tokenizer
 
 
+def token_ids(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+
 class TextEngine:
     """Tokenizer + backend for one engine dir."""
 
@@ -48,7 +52,7 @@ class TextEngine:
         return rows, longest
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [enc.ids for enc in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return token_ids(self.tokenizer, texts, add_special_tokens)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Mean-pooled, L2-normalised sentence embeddings (B, H)."""

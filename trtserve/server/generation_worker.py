@@ -60,6 +60,9 @@ class GenerationChannel:
         if self.streams.pop(seq_id, None) is not None and cancel:
             self._send(("cancel", seq_id))
 
+    def stop_worker(self) -> None:
+        self._send(("stop", None))
+
     def _send(self, message) -> None:
         with self.lock:
             try:

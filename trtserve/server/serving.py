@@ -21,6 +21,8 @@ log = logging.getLogger("trtserve.server")
 class EmbeddingService:
     """Validation and tokenization here; the backend runs in the workers, fed by one batcher."""
 
+    kind = "encoder"  # make_service gives decoder engines to GenerationService
+
     def __init__(self, cfg: ServerConfig, metrics=None):
         from trtserve.engine_builder.artifact import open_engine_dir
         from trtserve.runtime.text import load_tokenizer
@@ -29,7 +31,6 @@ class EmbeddingService:
         engine = open_engine_dir(cfg.engine_dir, verify=False)  # every worker verifies it
         self.tokenizer = load_tokenizer(engine.path)
         manifest = engine.manifest
-        self.kind = manifest["model"]["kind"]
         self.model_id = cfg.served_model_name or manifest["model"]["id"]
         self.dim = manifest["model"]["architecture"]["hidden_size"]
         self.vocab = manifest["model"]["architecture"]["vocab_size"]
@@ -62,7 +63,9 @@ class EmbeddingService:
         return self.pool.healthy(within)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return [enc.ids for enc in self.tokenizer.encode_batch(texts)]
+        from trtserve.runtime.text import token_ids
+
+        return token_ids(self.tokenizer, texts)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
@@ -71,8 +74,6 @@ class EmbeddingService:
         if request.model != self.model_id:
             raise ModelNotFound(f"The model `{request.model}` does not exist; this server serves `{self.model_id}`",
                                 param="model", code="model_not_found")
-        if self.kind != "encoder":
-            raise BadRequest(f"`{self.model_id}` is a decoder engine; embeddings need an encoder", param="model")
         if request.dimensions is not None and request.dimensions != self.dim:
             raise BadRequest(f"`{self.model_id}` returns {self.dim} dimensions and cannot shorten them; "
                              f"omit `dimensions` or set it to {self.dim}", param="dimensions")

@@ -160,7 +160,7 @@ class Worker:
         """Blocking: ask the process to exit, kill it if it does not."""
         self.ready = False
         if self.channel is not None:
-            self.channel._send(("stop", None))
+            self.channel.stop_worker()
         if self.inline:
             if self.text is not None and self.channel is None:
                 self.text.backend.close()
