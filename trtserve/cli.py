@@ -1,4 +1,4 @@
-"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, doctor. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, eval, healthcheck, doctor. Every flag maps to one config field."""
 
 from __future__ import annotations
 
@@ -231,11 +231,33 @@ def _serve_parser(sub) -> None:
                        help="on SIGTERM, seconds to finish in-flight requests before exiting")
     serve.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                        help="model name clients use (default: the engine's model id)")
+    serve.add_argument("--precision", default=_env("PRECISION", "fp32"),
+                       help="when MODEL is a checkpoint: the precision policy of the engine built for it (default fp32)")
+    serve.add_argument("--backend", default=_env("BACKEND", "auto"), choices=["auto", "onnxruntime", "tensorrt"],
+                       help="when MODEL is a checkpoint: the backend its engine is built for (default auto)")
+    serve.add_argument("--threads", type=int, default=_env("THREADS", None, int),
+                       help="CPU threads per worker (default: the cores divided among the workers)")
+    ray = serve.add_argument_group("Ray Serve (a cluster of replicas instead of local worker processes)")
+    ray.add_argument("--ray", action="store_true", default=_env("RAY", False, _flag),
+                     help="serve as a Ray Serve application, one replica per GPU (or per CPU worker)")
+    ray.add_argument("--ray-address", default=_env("RAY_ADDRESS", None),
+                     help="join this Ray cluster ('auto' or host:port; default: start a local one)")
+    ray.add_argument("--replicas", type=int, default=_env("REPLICAS", None, int),
+                     help="replicas (default: one per GPU of the cluster, else 1; 0: autoscale)")
+    ray.add_argument("--max-replicas", type=int, default=_env("MAX_REPLICAS", None, int),
+                     help="with --replicas 0: the most replicas (default: as many as the cluster fits)")
+    ray.add_argument("--num-gpus-per-replica", type=float, default=_env("NUM_GPUS_PER_REPLICA", None, float),
+                     help="GPUs per replica (default 1 where the cluster has GPUs, else 0)")
+    ray.add_argument("--num-cpus-per-replica", type=float, default=_env("NUM_CPUS_PER_REPLICA", 1.0, float),
+                     help="CPUs per replica, also its backend's threads (default 1)")
     serve.set_defaults(func=_cmd_serve)
 
 
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from trtserve.server.app import serve
     from trtserve.server.config import ServerConfig
 
     if not args.model:
@@ -243,38 +265,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_batch", "max_batch_tokens", "max_queue", "port", "max_num_seqs", "max_n"):
         if getattr(args, name) < 1:
             raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout"):
+    for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout", "replicas", "num_gpus_per_replica"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
-    cfg = ServerConfig(engine_dir=str(_engine_for(args.model)), host=args.host, port=args.port,
+    for name in ("threads", "max_replicas", "num_cpus_per_replica"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise TrtServeError(f"--{name.replace('_', '-')} must be positive")
+    cfg = ServerConfig(engine_dir=args.model, host=args.host, port=args.port,
                        workers=args.workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        max_num_seqs=args.max_num_seqs, max_n=args.max_n,
                        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, api_key=args.api_key,
                        request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                       served_model_name=args.served_model_name)
-    serve(cfg)
+                       served_model_name=args.served_model_name, threads=args.threads)
+    if args.ray:
+        from trtserve.deploy.ray_serve import RayOptions, run
+
+        run(args.model, args.precision, args.backend, cfg,
+            RayOptions(replicas=args.replicas, max_replicas=args.max_replicas,
+                       num_gpus_per_replica=args.num_gpus_per_replica,
+                       num_cpus_per_replica=args.num_cpus_per_replica, address=args.ray_address))
+        return 0
+    from dataclasses import replace
+
+    from trtserve.deploy.engines import engine_for
+    from trtserve.server.app import serve
+
+    serve(replace(cfg, engine_dir=str(engine_for(args.model, args.precision, args.backend))))
     return 0
 
 
-def _engine_for(model: str) -> Path:
-    """An engine dir as given, or the cached fp32 engine of a model (built on first use)."""
-    from trtserve.engine_builder.artifact import MANIFEST, open_engine_dir
-    from trtserve.errors import EngineDirError
+def _cmd_healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the server answers /health with 200 (the container's HEALTHCHECK)."""
+    import urllib.error
+    import urllib.request
 
-    if (Path(model) / MANIFEST).is_file():
-        open_engine_dir(model)  # a damaged engine is one clear error here, not a failed server start
-        return Path(model)
-    from trtserve.engine_builder.build import BuildConfig, build_engine
-    from trtserve.models.sources import cache_root
-
-    target = cache_root() / "engines" / f"{Path(model).name}-fp32"
+    url = args.url or f"http://127.0.0.1:{_env('PORT', 8000, int)}/health"
     try:
-        open_engine_dir(target)
-        print(f"using the cached engine {target}", file=sys.stderr)
-    except EngineDirError:
-        print(f"building an engine for {model} into {target} (once)", file=sys.stderr)
-        build_engine(BuildConfig(model=model, out=target))
-    return target
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            print(f"healthy: {url} answered {response.status}")
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"unhealthy: {url} answered {exc.code}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"unhealthy: {url} did not answer ({getattr(exc, 'reason', exc)})", file=sys.stderr)
+    return 1
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -307,6 +341,10 @@ def make_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", type=Path, default=None, help="results directory (default eval-<grid name>)")
     evaluate.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping what is done")
     evaluate.set_defaults(func=_cmd_eval)
+    health = sub.add_parser("healthcheck", help="exit 0 if a server answers /health (for container health checks)")
+    health.add_argument("--url", default=None, help="default http://127.0.0.1:$TRTSERVE_PORT/health (port 8000)")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.set_defaults(func=_cmd_healthcheck)
     doctor = sub.add_parser("doctor", help="list every backend, its version, and whether it can build or run here")
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=_cmd_doctor)

@@ -56,6 +56,7 @@ def build_app(cfg: ServerConfig):
         await service.stop()
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
+    app.state.trtserve = state  # the running service, for hosts that embed the app (Ray Serve replicas)
     app.add_middleware(Guard, cfg=cfg, metrics=metrics)
 
     @app.exception_handler(ServingError)

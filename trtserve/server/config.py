@@ -22,9 +22,10 @@ class ServerConfig:
     drain_timeout: float = 30.0
     max_body_bytes: int = 2 * 1024 * 1024
     served_model_name: str | None = None
+    threads: int | None = None  # CPU threads per worker (None: the cores divided among the workers)
 
 
-def placement(workers: int | None) -> tuple[int, list[int | None], int | None, str]:
+def placement(workers: int | None, threads: int | None = None) -> tuple[int, list[int | None], int | None, str]:
     """(worker count, device per worker slot, CPU threads per worker, why) for this machine."""
     from trtserve.runtime.base import available_cores
     from trtserve.runtime.devices import cuda_devices
@@ -34,6 +35,6 @@ def placement(workers: int | None) -> tuple[int, list[int | None], int | None, s
         count = gpus if workers is None else workers
         return count, list(range(gpus)), None, f"{gpus} CUDA device(s): worker i runs on GPU i mod {gpus}"
     count = 1 if workers is None else workers
-    threads = max(1, available_cores() // max(count, 1))
+    threads = threads or max(1, available_cores() // max(count, 1))
     where = "in the server process" if count == 0 else f"{count} process(es)"
     return count, [None], threads, f"{reason}; CPU workers {where}, {threads} thread(s) each"

@@ -1,0 +1,82 @@
+"""First-start engines: serve an engine dir as given, or build one for this machine once and reuse it.
+
+A TensorRT plan is tied to the GPU model and the TensorRT version that built it, so a built engine
+is keyed by its target: `<model>-<precision>-onnxruntime` on the CPU, `<model>-<precision>-<flavour>
+<version>-<gpu>-sm<cc>` on a GPU. Several processes starting at once on one volume (replicas,
+containers) take a lock so that one builds and the others reuse its result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from trtserve.errors import EngineDirError, TrtServeError
+
+
+def target_key(backend: str) -> str:
+    """What an engine built here by `backend` is tied to, as a directory-name fragment."""
+    if backend != "tensorrt":
+        return "onnxruntime"
+    from trtserve.runtime.devices import cuda_device_info
+    from trtserve.runtime.trt_lib import load_tensorrt
+
+    trt, flavour = load_tensorrt()
+    devices = cuda_device_info()
+    gpu = f"{_slug(devices[0]['name'])}-sm{devices[0]['compute_capability'].replace('.', '')}" if devices else "nogpu"
+    return f"{flavour.replace('_', '-')}{trt.__version__}-{gpu}"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def engines_root() -> Path:
+    from trtserve.models.sources import cache_root
+
+    return cache_root() / "engines"
+
+
+def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root: Path | None = None) -> Path:
+    """MODEL if it is an engine dir; else this machine's engine for MODEL under ROOT, built on first use."""
+    from trtserve.engine_builder.artifact import MANIFEST, open_engine_dir
+
+    if (Path(model) / MANIFEST).is_file():
+        open_engine_dir(model)  # a damaged engine is one clear error here, not a failed server start
+        return Path(model)
+    if Path(model).is_dir() and not any(Path(model).iterdir()):
+        raise TrtServeError(f"{model} is an empty directory: mount a checkpoint or an engine directory there, "
+                            "or name a bundled model (all-MiniLM-L6-v2, SmolLM2-135M-Instruct)")
+    from trtserve.engine_builder.build import BuildConfig, build_engine
+    from trtserve.runtime.devices import choose_backend
+
+    chosen, why = choose_backend(backend)
+    root = engines_root() if root is None else Path(root)
+    target = root / f"{Path(model).name}-{precision}-{target_key(chosen)}"
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{target.name}.lock"):
+        try:
+            open_engine_dir(target)
+            print(f"using the engine built earlier for this machine: {target}", file=sys.stderr)
+        except EngineDirError:
+            print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
+                  file=sys.stderr)
+            build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
+    return target
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building here ({path})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,35 @@
+"""The Ray Serve replica: trtserve's ASGI app, built on the replica's node once its engine is there."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ray import serve
+
+from trtserve.server.config import ServerConfig
+
+
+@serve.deployment
+@serve.ingress()
+class TrtServeReplica:
+    def __init__(self, model: str, precision: str, backend: str, cfg: ServerConfig):
+        from trtserve.deploy.engines import engine_for
+
+        # On this replica's node: an engine built for this GPU type and TensorRT version, or the CPU engine.
+        self.cfg = dataclasses.replace(cfg, engine_dir=str(engine_for(model, precision, backend)))
+        self._trtserve_app = None
+
+    def __serve_build_asgi_app__(self):
+        from trtserve.server.app import build_app
+
+        self._trtserve_app = build_app(self.cfg)
+        return self._trtserve_app
+
+    async def check_health(self) -> None:
+        """Ray restarts a replica whose check raises: here, when its backend stopped answering."""
+        from trtserve.server.app import PROBE_EVERY
+
+        app = self._trtserve_app
+        service = app.state.trtserve.get("service") if app is not None else None
+        if service is not None and not service.healthy(3 * PROBE_EVERY):
+            raise RuntimeError("the backend has not answered a probe recently")
