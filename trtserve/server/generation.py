@@ -57,7 +57,7 @@ class GenerationService:
         self.vocab = manifest["model"]["architecture"]["vocab_size"]
         self.chat = ChatRenderer.for_engine(engine.path)
         self.created = int(time.time())
-        count, devices, threads, why = placement(cfg.workers)
+        count, devices, threads, why = placement(cfg.workers, cfg.threads)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
         options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq)}
         self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, generation=options)

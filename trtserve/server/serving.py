@@ -38,7 +38,7 @@ class EmbeddingService:
         self.created = int(time.time())
         from trtserve.runtime import runtime_for
 
-        count, devices, threads, why = placement(cfg.workers)
+        count, devices, threads, why = placement(cfg.workers, cfg.threads)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
         self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics)
         engine_max = manifest["shapes"]["batch"]["max"]

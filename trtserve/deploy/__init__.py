@@ -1,0 +1,1 @@
+"""Deployment: first-start engines per GPU type, and serving on a Ray cluster."""
