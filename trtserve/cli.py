@@ -1,4 +1,4 @@
-"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, eval, healthcheck, doctor. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, eval, train-pt, healthcheck, doctor. Every flag maps to one config field."""
 
 from __future__ import annotations
 
@@ -59,6 +59,18 @@ def _cmd_build(args: argparse.Namespace) -> int:
         target = Target.parse(args.fidelity_target) if args.fidelity_target else None
     except (ValueError, TypeError) as exc:
         raise TrtServeError(f"--fidelity-target {args.fidelity_target!r}: {exc}") from None
+    from trtserve.models.parallel_track import is_parallel_track
+
+    if is_parallel_track(Path(args.model)):
+        from trtserve.engine_builder.sharding import build_track_engines
+
+        engine = build_track_engines(Path(args.model), args.out, args.precision)
+        pt = engine.manifest["parallel_tracks"]
+        print(f"track-sharded engine written to {engine.path}: {pt['tracks']} tracks x {pt['segments']} segments, "
+              f"{pt['sync']['per_forward']} all-reduce(s) per forward")
+        print(f"parity vs torch fp32 (all tracks in one process): max abs error "
+              f"{engine.manifest['parity']['max_abs_error']:.2e}")
+        return 0
     cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
                       max_batch=args.max_batch, max_seq=args.max_seq, calibration=args.calibration,
                       fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity,
@@ -237,6 +249,9 @@ def _serve_parser(sub) -> None:
                        help="when MODEL is a checkpoint: the backend its engine is built for (default auto)")
     serve.add_argument("--threads", type=int, default=_env("THREADS", None, int),
                        help="CPU threads per worker (default: the cores divided among the workers)")
+    serve.add_argument("--tracks", type=int, default=_env("TRACKS", None, int),
+                       help="track-sharded engines: worker processes sharing the tracks, all-reducing at segment "
+                       "boundaries (default: one per track)")
     ray = serve.add_argument_group("Ray Serve (a cluster of replicas instead of local worker processes)")
     ray.add_argument("--ray", action="store_true", default=_env("RAY", False, _flag),
                      help="serve as a Ray Serve application, one replica per GPU (or per CPU worker)")
@@ -268,7 +283,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout", "replicas", "num_gpus_per_replica"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("threads", "max_replicas", "num_cpus_per_replica"):
+    for name in ("threads", "max_replicas", "num_cpus_per_replica", "tracks"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise TrtServeError(f"--{name.replace('_', '-')} must be positive")
     cfg = ServerConfig(engine_dir=args.model, host=args.host, port=args.port,
@@ -276,7 +291,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        max_num_seqs=args.max_num_seqs, max_n=args.max_n,
                        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, api_key=args.api_key,
                        request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                       served_model_name=args.served_model_name, threads=args.threads)
+                       served_model_name=args.served_model_name, threads=args.threads, tracks=args.tracks)
     if args.ray:
         from trtserve.deploy.ray_serve import RayOptions, run
 
@@ -290,7 +305,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from trtserve.deploy.engines import engine_for
     from trtserve.server.app import serve
 
-    serve(replace(cfg, engine_dir=str(engine_for(args.model, args.precision, args.backend))))
+    engine = engine_for(args.model, args.precision, args.backend)
+    if args.tracks is not None:
+        from trtserve.engine_builder.artifact import open_engine_dir
+
+        if "parallel_tracks" not in open_engine_dir(engine, verify=False).manifest:
+            raise TrtServeError(f"--tracks is for track-sharded engines (built from a parallel-track checkpoint); "
+                                f"{engine} is not one: leave --tracks out")
+    serve(replace(cfg, engine_dir=str(engine)))
+    return 0
+
+
+def _cmd_train_pt(args: argparse.Namespace) -> int:
+    from trtserve.models.pt_train import RECIPES, checkpoint, results
+
+    recipe = RECIPES[args.recipe]
+    print(f"recipe {recipe.name}: {recipe.layers} layers, hidden {recipe.hidden}, {recipe.heads} heads, "
+          f"{recipe.kv_heads} KV heads, FFN {recipe.ffn}, vocabulary {recipe.vocab}; PT: {recipe.n_tracks} tracks, "
+          f"D = {recipe.block_depth}; {recipe.steps} steps of {recipe.batch} x {recipe.seq} tokens")
+    for kind in ("pt", "dense"):
+        path = checkpoint(args.recipe, kind)
+        r = results(path)
+        print(f"{kind:>5}: held-out perplexity {r['heldout_perplexity']:.2f} over {r['heldout_tokens']} tokens, "
+              f"{r['parameters']:,} parameters, trained in {r['train_seconds']:.0f} s, final train loss "
+              f"{r['final_train_loss']:.3f} ({path})")
     return 0
 
 
@@ -341,6 +379,10 @@ def make_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", type=Path, default=None, help="results directory (default eval-<grid name>)")
     evaluate.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping what is done")
     evaluate.set_defaults(func=_cmd_eval)
+    train = sub.add_parser("train-pt", help="train a parallel-track model and a dense one of the same size on "
+                           "Wikipedia (cached by recipe) and compare held-out perplexity")
+    train.add_argument("--recipe", default="small", choices=["small", "tiny"])
+    train.set_defaults(func=_cmd_train_pt)
     health = sub.add_parser("healthcheck", help="exit 0 if a server answers /health (for container health checks)")
     health.add_argument("--url", default=None, help="default http://127.0.0.1:$TRTSERVE_PORT/health (port 8000)")
     health.add_argument("--timeout", type=float, default=5.0)

@@ -54,6 +54,8 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     from trtserve.runtime.devices import choose_backend
 
     chosen, why = choose_backend(backend)
+    if _is_parallel_track(model):
+        chosen, why = "onnxruntime", "track-sharded engines run on ONNX Runtime"
     root = engines_root() if root is None else Path(root)
     target = root / f"{Path(model).name}-{precision}-{target_key(chosen)}"
     root.mkdir(parents=True, exist_ok=True)
@@ -64,8 +66,20 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
         except EngineDirError:
             print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
                   file=sys.stderr)
-            build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
+            if _is_parallel_track(model):
+                from trtserve.engine_builder.sharding import build_track_engines
+
+                build_track_engines(Path(model), target, precision)
+            else:
+                build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
     return target
+
+
+def _is_parallel_track(model: str) -> bool:
+    import json
+
+    config = Path(model) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "trtserve_parallel_track"
 
 
 @contextmanager

@@ -13,6 +13,8 @@ def describe_manifest(engine: EngineDir) -> str:
     from trtserve.precision.run import summary
 
     m = engine.manifest
+    if "parallel_tracks" in m:
+        return _describe_tracks(engine)
     model, backend, arch = m["model"], m["backend"], m["model"]["architecture"]
     lines = [
         f"engine      {engine.path}",
@@ -35,6 +37,24 @@ def describe_manifest(engine: EngineDir) -> str:
         f"rebuild     {m['build_command']}",
     ]
     return "\n".join(lines)
+
+
+def _describe_tracks(engine: EngineDir) -> str:
+    m, pt = engine.manifest, engine.manifest["parallel_tracks"]
+    arch = m["model"]["architecture"]
+    return "\n".join([
+        f"engine      {engine.path}",
+        f"model       {m['model']['id']} (parallel-track decoder, {arch['num_layers']} layers, hidden "
+        f"{arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
+        f"tracks      {pt['tracks']} tracks x {pt['segments']} segments of {pt['block_depth']} layers; "
+        f"{pt['kv_heads_per_track']} KV head(s) per track",
+        f"sync        {pt['sync']['op']} of {pt['sync']['of']} after each segment: "
+        f"{pt['sync']['per_forward']} per forward",
+        f"precision   {m['precision']['policy']}",
+        f"parity      max abs error {m['parity']['max_abs_error']:.2e} ({m['parity']['against']})",
+        "files       " + ", ".join(f"{name} {_mb(entry['size'])}" for name, entry in m["files"].items()),
+        f"rebuild     {m['build_command']}",
+    ])
 
 
 def _io(spec: dict) -> str:

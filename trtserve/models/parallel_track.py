@@ -119,19 +119,16 @@ def attention(p: dict, x, heads: int, kv_heads: int, head_dim: int, theta: float
     q = rope(project(p["q_proj"], heads), positions, theta)
     k = rope(project(p["k_proj"], kv_heads), positions, theta)
     v = project(p["v_proj"], kv_heads)
-    if past is not None:
-        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
     group = heads // kv_heads
-    mask = _mask(t, k.shape[2]) if past is not None and t > 1 else None
+    if past is None:  # no cache: plain causal attention (training, a fresh prompt)
+        mask, causal = None, t > 1
+    else:  # after a cache: query at position p sees keys 0..p (no branch on t, so it exports)
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        mask, causal = torch.arange(k.shape[2])[None, :] <= positions[:, None], False
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                         is_causal=past is None and t > 1, attn_mask=mask)
+                                         is_causal=causal, attn_mask=mask)
     out = out.transpose(1, 2).reshape(s, b, t, heads * head_dim)
     return torch.einsum("sbti,sdi->sbtd", out, p["o_proj"]), (k, v)
-
-
-def _mask(t: int, total: int):
-    """Causal mask for t new queries at the end of `total` keys."""
-    return torch.ones(t, total, dtype=torch.bool).tril(total - t)
 
 
 def feed_forward(p: dict, x):

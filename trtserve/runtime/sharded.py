@@ -7,7 +7,8 @@ Two layouts of the same kind of checkpoint (models/parallel_track.py):
 - `tp`: the dense model (n = 1) split Megatron-style; each worker owns 1/w of every layer's heads
   (column-parallel QKV, row-parallel output) and FFN (column-parallel gate/up, row-parallel down)
   and their KV cache; an all-reduce after attention and one after the FFN: 2L per forward.
-Embedding, final norm and LM head are replicated; worker 0 returns the logits of the last position.
+A checkpoint runs in torch; a track-sharded engine dir (engine_builder/sharding.py) runs its
+per-track segment engines in ONNX Runtime. Embedding, final norm and LM head are replicated; worker 0 returns the logits of the last position.
 The caller talks to the workers over pipes (the inputs, like any serving driver); only the
 all-reduces between workers are counted as synchronisations.
 """
@@ -124,6 +125,57 @@ class _Shard:
         return torch.nn.functional.linear(self.norm(h[:, -1]), self.weight)
 
 
+class _EngineShard:
+    """One worker's tracks of a track-sharded engine dir, run by ONNX Runtime."""
+
+    def __init__(self, path: str, rank: int, world: int, threads: int):
+        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.runtime.track_engines import TrackEngines
+
+        engine = open_engine_dir(path)
+        tracks = engine.manifest["parallel_tracks"]["tracks"]
+        per = tracks // world
+        self.engines = TrackEngines(engine.path, engine.manifest, range(rank * per, (rank + 1) * per), threads)
+        self.world, self.new = world, True
+
+    @property
+    def syncs(self) -> int:
+        return self.engines.syncs
+
+    @property
+    def past(self):
+        return None
+
+    @past.setter
+    def past(self, value) -> None:
+        self.new = value is None
+
+    def _all_reduce(self, array):
+        import torch
+        import torch.distributed as dist
+
+        if self.world > 1:
+            tensor = torch.from_numpy(array)
+            dist.all_reduce(tensor)
+            return tensor.numpy()
+        return array
+
+    def forward(self, ids):
+        import torch
+
+        logits = self.engines.forward(ids, self._all_reduce, new=self.new)
+        self.new = False
+        return torch.from_numpy(logits)
+
+
+def _is_engine_dir(path: str) -> bool:
+    from pathlib import Path
+
+    from trtserve.engine_builder.artifact import MANIFEST
+
+    return (Path(path) / MANIFEST).is_file()
+
+
 def _worker(conn, path: str, mode: str, rank: int, world: int, port: int, threads: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
@@ -133,7 +185,7 @@ def _worker(conn, path: str, mode: str, rank: int, world: int, port: int, thread
     try:
         if world > 1:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        shard = _Shard(path, mode, rank, world)
+        shard = _EngineShard(path, rank, world, threads) if _is_engine_dir(path) else _Shard(path, mode, rank, world)
         conn.send(("ready", os.getpid()))
         with torch.no_grad():
             while True:
@@ -159,10 +211,24 @@ class ShardedDecoder:
     """`world` worker processes holding one checkpoint sharded as `mode` ('pt' or 'tp')."""
 
     def __init__(self, checkpoint, world: int, mode: str = "pt", threads: int = 1, timeout: float = 300):
-        from trtserve.models.parallel_track import load_checkpoint
+        if _is_engine_dir(str(checkpoint)):
+            from trtserve.engine_builder.artifact import open_engine_dir
 
-        self.cfg = load_checkpoint(checkpoint).cfg
-        check_layout(self.cfg, mode, world)
+            manifest = open_engine_dir(checkpoint).manifest
+            if "parallel_tracks" not in manifest:
+                raise TrtServeError(f"{checkpoint} is not a track-sharded engine: build one from a parallel-track "
+                                    "checkpoint with `trtserve build-engine CHECKPOINT --out DIR`")
+            if mode != "pt":
+                raise TrtServeError("a track-sharded engine runs with mode 'pt'")
+            tracks = manifest["parallel_tracks"]["tracks"]
+            if tracks % world:
+                raise TrtServeError(f"{tracks} tracks cannot be split over {world} workers: use a divisor of {tracks}")
+            self.cfg = None
+        else:
+            from trtserve.models.parallel_track import load_checkpoint
+
+            self.cfg = load_checkpoint(checkpoint).cfg
+            check_layout(self.cfg, mode, world)
         self.mode, self.world, self.timeout = mode, world, timeout
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()

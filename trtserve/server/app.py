@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from starlette.requests import Request
 
+from trtserve.errors import TrtServeError
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
 from trtserve.server.protocol import (
@@ -126,7 +127,14 @@ def make_service(cfg: ServerConfig, metrics):
     """The embeddings service for an encoder engine, the generation service for a decoder."""
     from trtserve.engine_builder.artifact import open_engine_dir
 
-    if open_engine_dir(cfg.engine_dir, verify=False).manifest["model"]["kind"] == "decoder":
+    kind = open_engine_dir(cfg.engine_dir, verify=False).manifest["model"]["kind"]
+    if kind == "parallel_track":
+        from trtserve.server.tracks import TrackGenerationService
+
+        return TrackGenerationService(cfg, metrics)
+    if cfg.tracks is not None:
+        raise TrtServeError(f"--tracks is for track-sharded engines; {cfg.engine_dir} is a {kind} engine")
+    if kind == "decoder":
         from trtserve.server.generation import GenerationService
 
         return GenerationService(cfg, metrics)

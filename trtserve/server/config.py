@@ -23,6 +23,7 @@ class ServerConfig:
     max_body_bytes: int = 2 * 1024 * 1024
     served_model_name: str | None = None
     threads: int | None = None  # CPU threads per worker (None: the cores divided among the workers)
+    tracks: int | None = None  # track-sharded engines: worker processes sharing the tracks (None: one per track)
 
 
 def placement(workers: int | None, threads: int | None = None) -> tuple[int, list[int | None], int | None, str]:

@@ -155,36 +155,43 @@ class GenerationService:
         if worker.channel.closed:
             raise Unavailable(f"worker {worker.index} is restarting; retry the request")
         seq_id, queue = worker.channel.open(job.prompt, job.params)
+        state = {"done": False}
+        try:
+            async for piece in self.pieces(job, queue.get, worker.index, state):
+                yield piece
+        finally:
+            worker.channel.close(seq_id, cancel=not state["done"])
+
+    async def pieces(self, job: Job, next_event, where: int, state: dict):
+        """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts);
+        state["done"] turns True once the sequence finished."""
         ids, logprobs, sent, done, tokens_sent = [], [], "", False, 0
         started = last = time.perf_counter()
-        try:
-            while not done:
-                event = await queue.get()
-                if event.get("error"):
-                    raise _event_error(event["error"], worker.index)
-                now = time.perf_counter()
-                self._observe("ttft" if not ids and last == started else "itl", now - last)
-                last = now
-                finish = event["finish"]
-                if event["token"] >= 0:
-                    ids.append(event["token"])
-                    self._observe("tokens", 1)
-                    if event["logprob"] is not None:
-                        logprobs.append((event["token"], event["logprob"], event["top_logprobs"]))
-                text = self.tokenizer.decode(ids)
-                cut = _first_stop(text, job.stop, len(sent))
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                done = finish is not None
-                safe = len(text) if done else _safe_end(text, job.stop)
-                if done or (safe > len(sent) and text.startswith(sent)):
-                    delta = text[len(sent):safe] if text.startswith(sent) else ""
-                    yield Piece(delta, ids[tokens_sent:], logprobs, finish)
-                    tokens_sent, logprobs, sent = len(ids), [], text[:safe]
-            if len(ids) > 1:
-                self._observe("tpot", (last - started) / len(ids))
-        finally:
-            worker.channel.close(seq_id, cancel=not done)
+        while not done:
+            event = await next_event()
+            if event.get("error"):
+                raise _event_error(event["error"], where)
+            now = time.perf_counter()
+            self._observe("ttft" if not ids and last == started else "itl", now - last)
+            last = now
+            finish = event["finish"]
+            if event["token"] >= 0:
+                ids.append(event["token"])
+                self._observe("tokens", 1)
+                if event["logprob"] is not None:
+                    logprobs.append((event["token"], event["logprob"], event["top_logprobs"]))
+            text = self.tokenizer.decode(ids)
+            cut = _first_stop(text, job.stop, len(sent))
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+            done = state["done"] = finish is not None
+            safe = len(text) if done else _safe_end(text, job.stop)
+            if done or (safe > len(sent) and text.startswith(sent)):
+                delta = text[len(sent):safe] if text.startswith(sent) else ""
+                yield Piece(delta, ids[tokens_sent:], logprobs, finish)
+                tokens_sent, logprobs, sent = len(ids), [], text[:safe]
+        if len(ids) > 1:
+            self._observe("tpot", (last - started) / len(ids))
 
     def _sequences(self, state: str) -> int:
         """Sequences in the workers' batches (running) or queues (waiting), as they last reported."""

@@ -1,0 +1,263 @@
+"""Parallel-track model: its semantics, its KV cache, the dense special case against Hugging Face's
+Llama, and sharded execution (PT and tensor-parallel) against the single-process reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trtserve.errors import ModelSourceError, TrtServeError
+from trtserve.models.parallel_track import (
+    PTConfig,
+    ParallelTrackModel,
+    block,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+SMALL = dict(vocab_size=300, hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=128,
+             num_layers=4, n_tracks=4, block_depth=2)
+
+
+def model(**changes) -> ParallelTrackModel:
+    torch.manual_seed(0)
+    return ParallelTrackModel(PTConfig(**{**SMALL, **changes})).eval()
+
+
+def test_config_refuses_shapes_that_do_not_split():
+    with pytest.raises(ModelSourceError, match=r"num_heads \(6\) is not divisible by n_tracks \(4\)"):
+        PTConfig(**{**SMALL, "num_heads": 6})
+    with pytest.raises(ModelSourceError, match=r"num_layers \(4\) is not a multiple of block_depth \(3\)"):
+        PTConfig(**{**SMALL, "block_depth": 3})
+
+
+def test_tracks_run_alone_for_d_layers_then_add_their_updates():
+    """The stacked implementation against a loop written out track by track."""
+    m = model()
+    cfg = m.cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    with torch.no_grad():
+        got, _ = m(ids)
+        h = m.embed(ids)
+        for segment in range(cfg.segments):
+            updates = []
+            for track in range(cfg.n_tracks):
+                x = h[None]
+                for layer in range(segment * cfg.block_depth, (segment + 1) * cfg.block_depth):
+                    x, _ = block(m.layers[layer].params(slice(track, track + 1)), x, cfg, 1, 1)
+                updates.append(x[0] - h)
+            h = h + sum(updates)
+        expected = m.head(h)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert m.syncs == cfg.segments  # one all-reduce per segment: L/D
+
+
+def test_kv_cache_continues_exactly():
+    m = model()
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        full, _ = m(ids)
+        first, past = m(ids[:, :6])
+        second, past = m(ids[:, 6:9], past)  # a chunk after the cache
+        steps = [first, second]
+        for t in range(9, 12):
+            out, past = m(ids[:, t:t + 1], past)
+            steps.append(out)
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+
+
+def test_one_track_depth_one_is_hugging_face_llama():
+    transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'trtserve[export]'")
+    m = model(n_tracks=1, block_depth=1, num_kv_heads=2)
+    cfg = m.cfg
+    hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                                      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                                      head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                                      tie_word_embeddings=True, max_position_embeddings=64)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    state = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight,
+             "lm_head.weight": m.embed.weight}
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "q_proj": "self_attn.q_proj",
+             "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+             "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+    for i, layer in enumerate(m.layers):
+        for ours, theirs in names.items():
+            state[f"model.layers.{i}.{theirs}.weight"] = getattr(layer, ours)[0]
+    hf.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        ours, _ = m(ids)
+        theirs = hf(ids).logits
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_checkpoint_round_trip(tmp_path):
+    m = model()
+    save_checkpoint(m, tmp_path / "pt", tmp_path)
+    loaded = load_checkpoint(tmp_path / "pt")
+    ids = torch.randint(0, 300, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(m(ids)[0], loaded(ids)[0])
+    with pytest.raises(ModelSourceError, match="is not a parallel-track checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def reference_steps(checkpoint, prompt: np.ndarray, steps: int):
+    """Logits of the last position after the prompt and after each greedy token, and those tokens."""
+    m = load_checkpoint(checkpoint)
+    with torch.no_grad():
+        logits, past = m(torch.as_tensor(prompt))
+        outs, tokens = [logits[:, -1].numpy()], []
+        for _ in range(steps):
+            token = outs[-1].argmax(-1)[:, None]
+            tokens.append(token)
+            logits, past = m(torch.as_tensor(token), past)
+            outs.append(logits[:, -1].numpy())
+    return outs, tokens
+
+
+def sharded_steps(checkpoint, mode: str, world: int, prompt: np.ndarray, tokens):
+    from trtserve.runtime.sharded import ShardedDecoder
+
+    with ShardedDecoder(checkpoint, world, mode) as decoder:
+        steps = [decoder.prefill(prompt)] + [decoder.decode(t) for t in tokens]
+    return steps
+
+
+def test_sharded_random_model_matches_with_two_workers(tmp_path):
+    save_checkpoint(model(), tmp_path / "pt", tmp_path)
+    prompt = np.random.default_rng(0).integers(0, 300, (2, 8))
+    expected, tokens = reference_steps(tmp_path / "pt", prompt, 4)
+    steps = sharded_steps(tmp_path / "pt", "pt", 2, prompt, tokens)
+    assert max(np.abs(s.logits - e).max() for s, e in zip(steps, expected)) <= 1e-4
+    assert {s.syncs for s in steps} == {2}  # L/D = 4/2
+
+
+def test_sharding_that_does_not_divide_is_a_clear_error(tmp_path):
+    from trtserve.runtime.sharded import ShardedDecoder
+
+    save_checkpoint(model(), tmp_path / "pt", tmp_path)
+    with pytest.raises(TrtServeError, match="4 tracks cannot be split over 3 workers"):
+        ShardedDecoder(tmp_path / "pt", 3, "pt")
+    with pytest.raises(TrtServeError, match="tensor parallelism here splits a dense model"):
+        ShardedDecoder(tmp_path / "pt", 2, "tp")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The `tiny` recipe's PT and dense checkpoints, trained on Wikipedia once and cached."""
+    from trtserve.models.pt_train import checkpoint
+
+    return {"pt": checkpoint("tiny", "pt"), "tp": checkpoint("tiny", "dense")}
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["pt", "tp"])
+def test_sharded_trained_model_equals_reference_for_prefill_and_32_steps(trained, mode, world):
+    from tokenizers import Tokenizer
+
+    from trtserve.eval.data import wiki_paragraphs
+    from trtserve.models.pt_train import to_compact
+
+    path = trained[mode]
+    m = load_checkpoint(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    text = [tok.encode(p, add_special_tokens=False).ids[:24] for p in wiki_paragraphs()[-2:]]
+    prompt = torch.stack([to_compact(row, m.vocab) for row in text]).numpy()
+    expected, tokens = reference_steps(path, prompt, 32)
+    steps = sharded_steps(path, mode, world, prompt, tokens)
+    assert len(steps) == 33
+    assert max(np.abs(s.logits - e).max() for s, e in zip(steps, expected)) <= 1e-4
+    cfg = m.cfg
+    want = cfg.num_layers // cfg.block_depth if mode == "pt" else 2 * cfg.num_layers
+    assert {s.syncs for s in steps} == {want}  # PT: L/D = 2; TP: 2L = 16
+
+
+@pytest.mark.models
+def test_trained_models_learned_wikipedia(trained):
+    from trtserve.models.pt_train import results
+
+    for path in trained.values():
+        r = results(path)
+        assert r["heldout_perplexity"] < 0.5 * r["recipe"]["vocab"], r  # far better than guessing uniformly
+        assert r["final_train_loss"] < 7.0, r
+
+
+@pytest.fixture(scope="module")
+def track_engine(trained, tmp_path_factory):
+    """The tiny PT checkpoint built into a track-sharded engine dir through the CLI."""
+    from tests.conftest import run_cli
+
+    out = tmp_path_factory.mktemp("tracks") / "engine"
+    result = run_cli("build-engine", str(trained["pt"]), "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 tracks x 2 segments, 2 all-reduce(s) per forward" in result.stdout
+    info = run_cli("info", str(out))
+    assert info.returncode == 0 and "4 tracks x 2 segments of 4 layers" in info.stdout, info.stdout + info.stderr
+    return out
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("world", [2, 4])
+def test_track_engines_sharded_equal_reference(trained, track_engine, world):
+    from trtserve.engine_builder.artifact import open_engine_dir
+
+    manifest = open_engine_dir(track_engine).manifest
+    assert manifest["parity"]["max_abs_error"] <= 1e-4
+    assert manifest["parallel_tracks"]["sync"]["per_forward"] == 2
+    prompt = np.random.default_rng(3).integers(1, 4097, (2, 12))
+    expected, tokens = reference_steps(trained["pt"], prompt, 32)
+    steps = sharded_steps(track_engine, "pt", world, prompt, tokens)
+    assert max(np.abs(s.logits - e).max() for s, e in zip(steps, expected)) <= 1e-4
+    assert {s.syncs for s in steps} == {2}
+
+
+@pytest.mark.models
+def test_server_serves_a_track_sharded_engine_over_two_workers(trained, track_engine):
+    from openai import OpenAI
+    from tokenizers import Tokenizer
+
+    from tests.server_process import start_server, stop_server
+    from trtserve.models.pt_train import to_compact
+
+    proc, url = start_server(track_engine, "--tracks", "2")
+    try:
+        health = httpx_get(f"{url}/health")
+        assert len(health["workers"]) == 2 and all(w["ready"] for w in health["workers"])
+        api = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        model_id = api.models.list().data[0].id
+        prompt = "The city is the capital of the"
+        got = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+        # the same greedy continuation from the torch reference, all tracks in one process
+        m = load_checkpoint(trained["pt"])
+        tok = Tokenizer.from_file(str(trained["pt"] / "tokenizer.json"))
+        ids = to_compact(tok.encode(prompt).ids, m.vocab)[None]
+        out, past = [], None
+        with torch.no_grad():
+            for _ in range(8):
+                logits, past = m(ids, past)
+                row = logits[0, -1].clone()
+                row[0] = -float("inf")
+                ids = row.argmax().view(1, 1)
+                if int(m.vocab[ids]) in (tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")):
+                    break
+                out.append(int(m.vocab[ids]))
+        assert got.choices[0].text == tok.decode(out)
+        assert got.usage.completion_tokens == len(out) > 0
+        stream = api.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Hello"}],
+                                             max_tokens=6, temperature=0, stream=True)
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert "".join(pieces).strip()
+    finally:
+        stop_server(proc)
+
+
+def httpx_get(url: str) -> dict:
+    import httpx
+
+    response = httpx.get(url, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()

@@ -1,0 +1,61 @@
+"""One worker's share of a track-sharded engine dir: ONNX Runtime sessions for its tracks' segments,
+their KV cache, and the replicated embedding and head. The all-reduce is passed in, so the same
+code runs all tracks in one process (reduce = identity) or a few tracks per worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class TrackEngines:
+    def __init__(self, directory: Path, manifest: dict, tracks, threads: int | None = 1):
+        import onnxruntime as ort
+
+        pt = manifest["parallel_tracks"]
+        self.tracks = list(tracks)
+        self.segments = pt["segments"]
+        self.kv_heads = pt["kv_heads_per_track"]
+        arch = manifest["model"]["architecture"]
+        self.head_dim = arch["head_dim"]
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+
+        def session(name):
+            graph = pt["graphs"][name]["graph"]
+            return ort.InferenceSession(str(Path(directory) / graph), options, providers=["CPUExecutionProvider"])
+
+        self.embed, self.head = session(pt["embed"]), session(pt["head"])
+        self.graphs = pt["graphs"]
+        self.sessions = {(t, j): session(pt["segment_graphs"][t][j]) for t in self.tracks for j in range(self.segments)}
+        self.cache: dict = {}
+        self.syncs = 0
+
+    def forward(self, ids, reduce, new: bool = True) -> np.ndarray:
+        """Logits of the last position; `new` starts fresh sequences (the cache is dropped)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if new:
+            self.cache = {}
+        batch = ids.shape[0]
+        h = self.embed.run(None, {"input_ids": ids})[0]
+        empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32)
+        for j in range(self.segments):
+            total = None
+            for t in self.tracks:
+                session = self.sessions[(t, j)]
+                names = [i.name for i in session.get_inputs()]
+                feeds = {"hidden": h}
+                for name in names[1:]:
+                    feeds[name] = self.cache.get((t, name.replace("past_", "")), empty)
+                outs = session.run(None, feeds)
+                out_names = [o.name for o in session.get_outputs()]
+                for name, value in zip(out_names[1:], outs[1:]):
+                    self.cache[(t, name.replace("present_", ""))] = value
+                total = outs[0] if total is None else total + outs[0]
+            h = h + reduce(total)
+            self.syncs += 1
+        return self.head.run(None, {"hidden": np.ascontiguousarray(h[:, -1])})[0]

@@ -1,0 +1,155 @@
+"""Serving a track-sharded engine across worker processes (`trtserve serve DIR --tracks N`).
+
+The N workers are the sharded decoder's ranks (runtime/sharded.py): each owns its tracks'
+engines and KV cache and all-reduces at segment boundaries. Requests share the completions and
+chat logic of GenerationService; sequences run one at a time (batch 1), each decode step in a
+thread so the event loop keeps serving. The model's compact vocabulary is mapped to and from
+the tokenizer's ids here; its unknown-token id is never generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+
+from trtserve.errors import TrtServeError
+from trtserve.runtime.sampling import Sampler, SamplingParams
+from trtserve.server.chat import ChatRenderer
+from trtserve.server.config import ServerConfig
+from trtserve.server.generation import GenerationService, Job
+from trtserve.server.errors import Unavailable
+
+log = logging.getLogger("trtserve.server")
+
+
+class _Ranks:
+    """What /health shows of the sharded decoder's workers."""
+
+    def __init__(self, service: TrackGenerationService):
+        self.service = service
+
+    def status(self) -> list[dict]:
+        decoder = self.service.decoder
+        if decoder is None:
+            return []
+        return [{"index": rank, "pid": pid, "device": None, "ready": proc.is_alive(),
+                 "outstanding": int(self.service.busy), "restarts": 0}
+                for rank, (pid, proc) in enumerate(zip(decoder.pids, decoder.procs))]
+
+
+class TrackGenerationService(GenerationService):
+    def __init__(self, cfg: ServerConfig, metrics=None):
+        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.runtime.text import load_tokenizer
+
+        engine = open_engine_dir(cfg.engine_dir)
+        pt = engine.manifest["parallel_tracks"]
+        self.tracks = cfg.tracks or pt["tracks"]
+        if pt["tracks"] % self.tracks:
+            raise TrtServeError(f"--tracks {self.tracks}: the engine's {pt['tracks']} tracks cannot be split over "
+                                f"{self.tracks} workers; use a divisor of {pt['tracks']}")
+        self.cfg, self.metrics, self.engine = cfg, metrics, engine
+        self.tokenizer = load_tokenizer(engine.path)
+        self.model_id = cfg.served_model_name or engine.manifest["model"]["id"]
+        self.max_seq = engine.manifest["model"]["architecture"]["max_positions"]
+        self.vocab = self.tokenizer.get_vocab_size()
+        self.chat = ChatRenderer.for_engine(engine.path)
+        self.created = int(time.time())
+        compact = np.array(json.loads((engine.path / "vocab.json").read_text()), dtype=np.int64)
+        self.to_tokenizer = compact
+        self.to_compact = np.zeros(self.vocab, dtype=np.int64)  # unknown -> 0
+        known = compact >= 0
+        self.to_compact[compact[known]] = np.nonzero(known)[0]
+        self.eos = {int(self.to_compact[t]) for t in _eos_ids(engine.path, self.tokenizer) if self.to_compact[t]}
+        self.decoder = None
+        self.pool = _Ranks(self)
+        self.lock = asyncio.Lock()
+        self.busy = False
+        self.last_ok = 0.0
+        log.info("tracks: %d engine tracks over %d worker process(es), %d all-reduce(s) per forward",
+                 pt["tracks"], self.tracks, pt["sync"]["per_forward"])
+
+    async def start(self) -> None:
+        from trtserve.runtime.sharded import ShardedDecoder
+
+        threads = self.cfg.threads or 1
+        self.decoder = await asyncio.to_thread(ShardedDecoder, self.engine.path, self.tracks, "pt", threads)
+        if self.metrics is not None:
+            self.metrics.running_seqs.set_function(lambda: int(self.busy))
+            self.metrics.waiting_seqs.set_function(lambda: 0)
+        await self.probe()
+
+    async def stop(self) -> None:
+        if self.decoder is not None:
+            await asyncio.to_thread(self.decoder.close)
+
+    async def probe(self) -> None:
+        job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
+        async for _ in self.stream(job):
+            pass
+
+    def healthy(self, within: float) -> bool:
+        alive = self.decoder is not None and all(p.is_alive() for p in self.decoder.procs)
+        return alive and (self.busy or time.monotonic() - self.last_ok < within)
+
+    async def stream(self, job: Job, worker=None):
+        if self.decoder is None or not all(p.is_alive() for p in self.decoder.procs):
+            raise Unavailable("the track workers are not running; restart the server")
+        async with self.lock:  # one sequence at a time
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()
+            cancel = threading.Event()
+            self.busy = True
+            thread = threading.Thread(target=self._generate, args=(job, loop, events, cancel), daemon=True)
+            thread.start()
+            state = {"done": False}
+            try:
+                async for piece in self.pieces(job, events.get, 0, state):
+                    yield piece
+            finally:
+                cancel.set()
+                await asyncio.to_thread(thread.join)
+                self.busy = False
+
+    def _generate(self, job: Job, loop, events: asyncio.Queue, cancel: threading.Event) -> None:
+        """The decode loop, on a thread: events go to the request's queue."""
+        def emit(**event):
+            loop.call_soon_threadsafe(events.put_nowait, {"token": -1, "finish": None, "logprob": None,
+                                                          "top_logprobs": None, **event})
+
+        params = job.params
+        sampler = Sampler(params, len(self.to_tokenizer))
+        try:
+            step = self.decoder.prefill(self.to_compact[np.array(job.prompt)][None])
+            for generated in range(1, params.max_tokens + 1):
+                logits = step.logits[0].astype(np.float32)
+                logits[0] = -np.inf  # the unknown id is not a token
+                token, logprob, top = sampler.choose(logits)
+                if token in self.eos and not params.ignore_eos:
+                    emit(finish="stop", logprob=logprob, top_logprobs=self._map_top(top))
+                    break
+                at_limit = generated == params.max_tokens or len(job.prompt) + generated >= self.max_seq
+                emit(token=int(self.to_tokenizer[token]), logprob=logprob, top_logprobs=self._map_top(top),
+                     finish="length" if at_limit else None)
+                if at_limit or cancel.is_set():
+                    break
+                step = self.decoder.decode(np.array([[token]]))
+            self.last_ok = time.monotonic()
+        except Exception as exc:  # a worker failed: this sequence gets an error event
+            emit(error=f"{type(exc).__name__}: {exc}")
+
+    def _map_top(self, top):
+        return None if top is None else [(int(self.to_tokenizer[t]), lp) for t, lp in top if t]
+
+
+def _eos_ids(path, tokenizer) -> list[int]:
+    config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() \
+        else {}
+    names = [config.get("eos_token"), "<|endoftext|>", "<|im_end|>"]
+    ids = [tokenizer.token_to_id(n) for n in names if isinstance(n, str)]
+    return [i for i in ids if i is not None]
