@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtserve.deploy.engines import engine_for  # noqa: E402
-from trtserve.models.parallel_track import load_checkpoint  # noqa: E402
+from trtserve.models.pt_model import load_checkpoint  # noqa: E402
 from trtserve.models.pt_train import checkpoint, results, to_compact  # noqa: E402
 from trtserve.runtime.sharded import ShardedDecoder  # noqa: E402
 

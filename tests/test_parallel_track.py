@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from trtserve.errors import ModelSourceError, TrtServeError
-from trtserve.models.parallel_track import (
-    PTConfig,
-    ParallelTrackModel,
-    block,
-    load_checkpoint,
-    save_checkpoint,
-)
+from trtserve.models.parallel_track import PTConfig
+from trtserve.models.pt_model import ParallelTrackModel, block, load_checkpoint, save_checkpoint
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=128,
              num_layers=4, n_tracks=4, block_depth=2)

@@ -76,10 +76,9 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
 
 
 def _is_parallel_track(model: str) -> bool:
-    import json
+    from trtserve.models.parallel_track import is_parallel_track
 
-    config = Path(model) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "trtserve_parallel_track"
+    return is_parallel_track(Path(model))
 
 
 @contextmanager

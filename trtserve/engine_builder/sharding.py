@@ -33,7 +33,7 @@ def segment_file(track: int, segment: int, optimized: bool = True) -> str:
 def _modules(model, track: int, segment: int):
     import torch
 
-    from trtserve.models.parallel_track import block
+    from trtserve.models.pt_model import block
 
     cfg = model.cfg
     layers = list(range(segment * cfg.block_depth, (segment + 1) * cfg.block_depth))
@@ -89,7 +89,7 @@ def _export_all(model, tmp: Path) -> dict:
             self.norm, self.weight = model.norm.weight.detach().clone(), model.embed.weight.detach().clone()
 
         def forward(self, hidden):
-            from trtserve.models.parallel_track import _rms
+            from trtserve.models.pt_model import _rms
 
             return torch.nn.functional.linear(_rms(hidden, self.norm, cfg.rms_norm_eps), self.weight)
 
@@ -118,7 +118,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") ->
     import onnx
 
     from trtserve.engine_builder.onnxruntime import build_ort
-    from trtserve.models.parallel_track import load_checkpoint
+    from trtserve.models.pt_model import load_checkpoint
     from trtserve.precision.passes import apply_policy
     from trtserve.precision.policy import POLICIES, get_policy
 

@@ -16,10 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import torch
-from torch.nn import functional as F
-
-from trtserve.models.parallel_track import PTConfig, ParallelTrackModel, count_parameters, save_checkpoint
+from trtserve.models.parallel_track import PTConfig
 from trtserve.progress import say
 
 RECIPE_VERSION = 1  # bump when the training code changes what a recipe produces
@@ -94,19 +91,27 @@ def corpus() -> tuple[list[int], list[int]]:
     return stream(paragraphs[:cut]), stream(paragraphs[cut:])
 
 
-def compact_vocab(train: list[int], size: int) -> torch.Tensor:
+def compact_vocab(train: list[int], size: int):
     """Tokenizer ids of compact ids 1..size-1: the most frequent in the training stream (0 is unknown)."""
+    import torch
+
     common = [token for token, _ in Counter(train).most_common(size - 1)]
     return torch.tensor([-1] + common, dtype=torch.long)
 
 
-def to_compact(ids: list[int], vocab: torch.Tensor) -> torch.Tensor:
+def to_compact(ids: list[int], vocab):
+    """Tokenizer ids -> the model's compact ids (0 for tokens outside its vocabulary)."""
+    import torch
+
     lookup = {int(t): i for i, t in enumerate(vocab.tolist()) if t >= 0}
     return torch.tensor([lookup.get(t, 0) for t in ids], dtype=torch.long)
 
 
-def perplexity(model: ParallelTrackModel, stream: torch.Tensor, seq: int, windows: int = 64) -> float:
+def perplexity(model, stream, seq: int, windows: int = 64) -> float:
     """exp(mean next-token NLL) over up to `windows` consecutive windows of `seq` tokens."""
+    import torch
+    from torch.nn import functional as F
+
     total, count = 0.0, 0
     model.eval()
     with torch.no_grad():
@@ -120,6 +125,11 @@ def perplexity(model: ParallelTrackModel, stream: torch.Tensor, seq: int, window
 
 def train(recipe: Recipe, kind: str, out: Path) -> dict:
     """Train one model (`pt` or `dense`) and save it to `out`; return its results."""
+    import torch
+    from torch.nn import functional as F
+
+    from trtserve.models.pt_model import ParallelTrackModel, count_parameters, save_checkpoint
+
     torch.manual_seed(recipe.seed)
     train_ids, held_ids = corpus()
     vocab = compact_vocab(train_ids, recipe.vocab)

@@ -79,7 +79,7 @@ class _Shard:
     def __init__(self, path: str, mode: str, rank: int, world: int):
         import torch
 
-        from trtserve.models.parallel_track import load_checkpoint
+        from trtserve.models.pt_model import load_checkpoint
 
         model = load_checkpoint(path)
         self.cfg, self.mode, self.rank, self.world = model.cfg, mode, rank, world
@@ -98,7 +98,7 @@ class _Shard:
         return tensor
 
     def forward(self, ids):
-        from trtserve.models.parallel_track import _rms, attention, block, feed_forward
+        from trtserve.models.pt_model import _rms, attention, block, feed_forward
 
         cfg, torch = self.cfg, self.torch
         h = self.embed(torch.as_tensor(ids))
@@ -225,7 +225,7 @@ class ShardedDecoder:
                 raise TrtServeError(f"{tracks} tracks cannot be split over {world} workers: use a divisor of {tracks}")
             self.cfg = None
         else:
-            from trtserve.models.parallel_track import load_checkpoint
+            from trtserve.models.pt_model import load_checkpoint
 
             self.cfg = load_checkpoint(checkpoint).cfg
             check_layout(self.cfg, mode, world)
