@@ -30,7 +30,8 @@ def ray_cluster(tmp_path_factory):
     # 4 logical CPUs on this 2-core machine: two 1-CPU replicas plus room for Ray's own actors.
     started = subprocess.run([ray, "start", "--head", "--port", str(port), "--num-cpus", "4", "--num-gpus", "0",
                               "--include-dashboard", "false", "--disable-usage-stats"],
-                             capture_output=True, text=True, timeout=180)
+                             capture_output=True, text=True, timeout=180,
+                             env=dict(os.environ, RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="30"))  # 2 busy cores
     assert started.returncode == 0, started.stdout + started.stderr
     yield f"127.0.0.1:{port}"
     subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
@@ -105,7 +106,7 @@ def test_embeddings_over_two_replicas_and_a_killed_replica_recovers(engines, ray
         def load():
             while not stop.is_set():
                 try:
-                    statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"input": texts},
+                    statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts},
                                                timeout=60).status_code)
                 except httpx.HTTPError as exc:
                     statuses.append(type(exc).__name__)
@@ -125,7 +126,7 @@ def test_embeddings_over_two_replicas_and_a_killed_replica_recovers(engines, ray
         assert statuses.count(200) > 20, statuses
         assert all(s in (500, 502, 503) for s in failed), failed  # an error answer, never a hang
         assert len(failed) <= 4, failed  # at most the requests in flight on the killed replica
-        answers = [httpx.post(f"{server.url}/v1/embeddings", json={"input": texts}, timeout=60).status_code
+        answers = [httpx.post(f"{server.url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts}, timeout=60).status_code
                    for _ in range(10)]
         assert answers == [200] * 10
     finally:

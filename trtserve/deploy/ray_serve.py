@@ -96,13 +96,19 @@ def run(model: str, precision: str, backend: str, cfg: ServerConfig, opts: RayOp
     ray.init(address=opts.address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     resources = ray.cluster_resources()
     options = deployment_options(cfg, kind, opts, resources.get("GPU", 0.0), resources.get("CPU", 0.0))
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    except ray.exceptions.RayError as exc:
+        raise TrtServeError(_ray_failure("could not start its HTTP proxy", exc)) from None
     print(f"ray serve: {model} ({kind}) on http://{cfg.host}:{cfg.port}, "
           f"{options.get('num_replicas', 'autoscaled')} replica(s), "
           f"{options['ray_actor_options']['num_gpus']:g} GPU and {options['ray_actor_options']['num_cpus']:g} CPU "
           "each", file=sys.stderr)
     app = build_application(model, precision, backend, cfg, options)
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except (ray.exceptions.RayError, RuntimeError) as exc:
+        raise TrtServeError(_ray_failure("could not deploy the replicas", exc)) from None
     if not blocking:
         return
     try:
@@ -114,3 +120,10 @@ def run(model: str, precision: str, backend: str, cfg: ServerConfig, opts: RayOp
         print("ray serve: shutting down", file=sys.stderr)
     finally:
         serve.shutdown()
+
+
+def _ray_failure(what: str, exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"Ray Serve {what}: {first}. The replica and proxy logs are under /tmp/ray/session_latest/logs/serve/ "
+            "on each node; on a heavily loaded machine start the cluster with "
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=30 in its environment")
