@@ -1,4 +1,4 @@
-"""Sharded decoding across worker processes joined by torch.distributed (gloo on CPUs, NCCL on GPUs).
+"""Sharded decoding across worker processes joined by torch.distributed (gloo, CPU tensors; no GPU path yet).
 
 Two layouts of the same kind of checkpoint (models/parallel_track.py):
 - `pt`: a parallel-track model; each worker owns n/w of its tracks and their KV cache, runs a
