@@ -256,3 +256,14 @@ def httpx_get(url: str) -> dict:
     response = httpx.get(url, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+@pytest.mark.gpu
+def test_sharded_pt_on_gpus_with_nccl_equals_reference(tmp_path):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL all-reduce between GPU workers)")
+    save_checkpoint(model(), tmp_path / "pt", tmp_path)
+    prompt = np.random.default_rng(0).integers(0, 300, (2, 8))
+    expected, tokens = reference_steps(tmp_path / "pt", prompt, 8)
+    steps = sharded_steps(tmp_path / "pt", "pt", 2, prompt, tokens)
+    assert max(np.abs(s.logits - e).max() for s, e in zip(steps, expected)) <= 1e-3  # TF32/cuBLAS tolerance

@@ -1,4 +1,4 @@
-"""Sharded decoding across worker processes joined by torch.distributed (gloo, CPU tensors; no GPU path yet).
+"""Sharded decoding across worker processes joined by torch.distributed (gloo on CPUs, NCCL on GPUs).
 
 Two layouts of the same kind of checkpoint (models/parallel_track.py):
 - `pt`: a parallel-track model; each worker owns n/w of its tracks and their KV cache, runs a
@@ -7,8 +7,9 @@ Two layouts of the same kind of checkpoint (models/parallel_track.py):
 - `tp`: the dense model (n = 1) split Megatron-style; each worker owns 1/w of every layer's heads
   (column-parallel QKV, row-parallel output) and FFN (column-parallel gate/up, row-parallel down)
   and their KV cache; an all-reduce after attention and one after the FFN: 2L per forward.
-A checkpoint runs in torch; a track-sharded engine dir (engine_builder/sharding.py) runs its
-per-track segment engines in ONNX Runtime. Embedding, final norm and LM head are replicated; worker 0 returns the logits of the last position.
+A checkpoint runs in torch, worker i on GPU i with NCCL where there are GPUs (not run on a GPU
+yet), else on the CPU with gloo; a track-sharded engine dir (engine_builder/sharding.py) runs its
+per-track segment engines in ONNX Runtime on the CPU, with gloo. Embedding, final norm and LM head are replicated; worker 0 returns the logits of the last position.
 The caller talks to the workers over pipes (the inputs, like any serving driver); only the
 all-reduces between workers are counted as synchronisations.
 """
@@ -76,13 +77,13 @@ def check_layout(cfg, mode: str, world: int) -> None:
 class _Shard:
     """One worker's part of the model and its KV cache."""
 
-    def __init__(self, path: str, mode: str, rank: int, world: int):
+    def __init__(self, path: str, mode: str, rank: int, world: int, device: str = "cpu"):
         import torch
 
         from trtserve.models.pt_model import load_checkpoint
 
-        model = load_checkpoint(path)
-        self.cfg, self.mode, self.rank, self.world = model.cfg, mode, rank, world
+        model = load_checkpoint(path).to(device)
+        self.cfg, self.mode, self.rank, self.world, self.device = model.cfg, mode, rank, world, device
         self.embed, self.norm, self.weight = model.embed, model.norm, model.embed.weight
         self.params = shard_params(model, mode, rank, world)
         self.past: dict | None = None
@@ -101,7 +102,7 @@ class _Shard:
         from trtserve.models.pt_model import _rms, attention, block, feed_forward
 
         cfg, torch = self.cfg, self.torch
-        h = self.embed(torch.as_tensor(ids))
+        h = self.embed(torch.as_tensor(ids, device=self.device))
         presents = {}
         if self.mode == "pt":
             per = cfg.n_tracks // self.world
@@ -122,7 +123,7 @@ class _Shard:
                 h = h + self._all_reduce(feed_forward(p, _rms(h, p["ffn_norm"][0], cfg.rms_norm_eps)[None])[0]
                                          .contiguous())
         self.past = presents
-        return torch.nn.functional.linear(self.norm(h[:, -1]), self.weight)
+        return torch.nn.functional.linear(self.norm(h[:, -1]), self.weight).cpu()
 
 
 class _EngineShard:
@@ -182,10 +183,16 @@ def _worker(conn, path: str, mode: str, rank: int, world: int, port: int, thread
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    engines = _is_engine_dir(path)
+    # torch weights go to GPU `rank` where there are GPUs (NCCL); track engines run on the CPU (gloo).
+    device = f"cuda:{rank % torch.cuda.device_count()}" if not engines and torch.cuda.is_available() else "cpu"
     try:
         if world > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        shard = _EngineShard(path, rank, world, threads) if _is_engine_dir(path) else _Shard(path, mode, rank, world)
+            if device != "cpu":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=world)
+        shard = _EngineShard(path, rank, world, threads) if engines else _Shard(path, mode, rank, world, device)
         conn.send(("ready", os.getpid()))
         with torch.no_grad():
             while True:
