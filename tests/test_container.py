@@ -131,9 +131,10 @@ def test_healthcheck_command_reports_a_server_that_is_not_there():
 def _container_env(path: Path, cache: Path, port: int) -> dict[str, str]:
     """The image's ENV, with its volume and port mapped onto this machine."""
     env = env_of(final_stage(path))
-    env.update(TRTSERVE_CACHE=str(cache), TRTSERVE_PORT=str(port), TRTSERVE_HOST="127.0.0.1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return dict(os.environ, **{k: v for k, v in env.items() if k != "PATH"}, PATH=env["PATH"])
+    # the image's venv (/opt/trtserve/bin first on PATH) is this test's venv here
+    env.update(TRTSERVE_CACHE=str(cache), TRTSERVE_PORT=str(port), TRTSERVE_HOST="127.0.0.1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return {**os.environ, **env}
 
 
 @pytest.mark.models

@@ -51,10 +51,11 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
         raise TrtServeError(f"{model} is an empty directory: mount a checkpoint or an engine directory there, "
                             "or name a bundled model (all-MiniLM-L6-v2, SmolLM2-135M-Instruct)")
     from trtserve.engine_builder.build import BuildConfig, build_engine
+    from trtserve.models.parallel_track import is_parallel_track
     from trtserve.runtime.devices import choose_backend
 
     chosen, why = choose_backend(backend)
-    if _is_parallel_track(model):
+    if is_parallel_track(Path(model)):
         chosen, why = "onnxruntime", "track-sharded engines run on ONNX Runtime"
     root = engines_root() if root is None else Path(root)
     target = root / f"{Path(model).name}-{precision}-{target_key(chosen)}"
@@ -66,19 +67,13 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
         except EngineDirError:
             print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
                   file=sys.stderr)
-            if _is_parallel_track(model):
+            if is_parallel_track(Path(model)):
                 from trtserve.engine_builder.sharding import build_track_engines
 
                 build_track_engines(Path(model), target, precision)
             else:
                 build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
     return target
-
-
-def _is_parallel_track(model: str) -> bool:
-    from trtserve.models.parallel_track import is_parallel_track
-
-    return is_parallel_track(Path(model))
 
 
 @contextmanager

@@ -78,17 +78,13 @@ class _Shard:
     """One worker's part of the model and its KV cache."""
 
     def __init__(self, path: str, mode: str, rank: int, world: int, device: str = "cpu"):
-        import torch
-
         from trtserve.models.pt_model import load_checkpoint
 
-        model = load_checkpoint(path).to(device)
-        self.cfg, self.mode, self.rank, self.world, self.device = model.cfg, mode, rank, world, device
-        self.embed, self.norm, self.weight = model.embed, model.norm, model.embed.weight
-        self.params = shard_params(model, mode, rank, world)
+        self.model = load_checkpoint(path).to(device)  # embedding and head replicated; layers sliced below
+        self.cfg, self.mode, self.world, self.device = self.model.cfg, mode, world, device
+        self.params = shard_params(self.model, mode, rank, world)
         self.past: dict | None = None
         self.syncs = 0
-        self.torch = torch
 
     def _all_reduce(self, tensor):
         import torch.distributed as dist
@@ -98,32 +94,30 @@ class _Shard:
         self.syncs += 1
         return tensor
 
-    def forward(self, ids):
-        from trtserve.models.pt_model import _rms, attention, block, feed_forward
+    def forward(self, ids, new: bool):
+        import torch
 
-        cfg, torch = self.cfg, self.torch
-        h = self.embed(torch.as_tensor(ids, device=self.device))
+        from trtserve.models.pt_model import _rms, attention, feed_forward, run_segment
+
+        cfg, past = self.cfg, None if new else self.past
+        h = self.model.embed(torch.as_tensor(ids, device=self.device))
         presents = {}
         if self.mode == "pt":
-            per = cfg.n_tracks // self.world
-            heads, kv = cfg.num_heads // cfg.n_tracks, cfg.num_kv_heads // cfg.n_tracks
             for segment in range(cfg.segments):
-                x = h.unsqueeze(0).expand(per, *h.shape)
-                for layer in range(segment * cfg.block_depth, (segment + 1) * cfg.block_depth):
-                    x, presents[layer] = block(self.params[layer], x, cfg, heads, kv,
-                                               None if self.past is None else self.past[layer])
-                h = h + self._all_reduce((x - h).sum(0).contiguous())
+                updates, new_presents = run_segment(self.params, lambda p: p, h, cfg, cfg.n_tracks // self.world,
+                                                    segment, past)
+                presents.update(new_presents)
+                h = h + self._all_reduce(updates.sum(0).contiguous())
         else:
             heads, kv = cfg.num_heads // self.world, cfg.num_kv_heads // self.world
             for layer, p in enumerate(self.params):
                 a, presents[layer] = attention(p, _rms(h, p["attn_norm"][0], cfg.rms_norm_eps)[None], heads, kv,
-                                               cfg.head_dim, cfg.rope_theta,
-                                               None if self.past is None else self.past[layer])
+                                               cfg.head_dim, cfg.rope_theta, None if past is None else past[layer])
                 h = h + self._all_reduce(a[0].contiguous())
                 h = h + self._all_reduce(feed_forward(p, _rms(h, p["ffn_norm"][0], cfg.rms_norm_eps)[None])[0]
                                          .contiguous())
         self.past = presents
-        return torch.nn.functional.linear(self.norm(h[:, -1]), self.weight).cpu()
+        return self.model.head(h[:, -1]).cpu().numpy()
 
 
 class _EngineShard:
@@ -137,19 +131,11 @@ class _EngineShard:
         tracks = engine.manifest["parallel_tracks"]["tracks"]
         per = tracks // world
         self.engines = TrackEngines(engine.path, engine.manifest, range(rank * per, (rank + 1) * per), threads)
-        self.world, self.new = world, True
+        self.world = world
 
     @property
     def syncs(self) -> int:
         return self.engines.syncs
-
-    @property
-    def past(self):
-        return None
-
-    @past.setter
-    def past(self, value) -> None:
-        self.new = value is None
 
     def _all_reduce(self, array):
         import torch
@@ -161,12 +147,8 @@ class _EngineShard:
             return tensor.numpy()
         return array
 
-    def forward(self, ids):
-        import torch
-
-        logits = self.engines.forward(ids, self._all_reduce, new=self.new)
-        self.new = False
-        return torch.from_numpy(logits)
+    def forward(self, ids, new: bool):
+        return self.engines.forward(ids, self._all_reduce, new=new)
 
 
 def _is_engine_dir(path: str) -> bool:
@@ -200,11 +182,9 @@ def _worker(conn, path: str, mode: str, rank: int, world: int, port: int, thread
                 if message is None:
                     break
                 command, ids = message
-                if command == "prefill":
-                    shard.past = None
                 before = shard.syncs
-                logits = shard.forward(ids)
-                conn.send(("ok", logits.numpy() if rank == 0 else None, shard.syncs - before))
+                logits = shard.forward(ids, new=command == "prefill")
+                conn.send(("ok", logits if rank == 0 else None, shard.syncs - before))
     except (EOFError, KeyboardInterrupt):
         pass
     except Exception as exc:  # reported to the caller, who raises it as one clear error

@@ -30,8 +30,10 @@ class TrackEngines:
             return ort.InferenceSession(str(Path(directory) / graph), options, providers=["CPUExecutionProvider"])
 
         self.embed, self.head = session(pt["embed"]), session(pt["head"])
-        self.graphs = pt["graphs"]
         self.sessions = {(t, j): session(pt["segment_graphs"][t][j]) for t in self.tracks for j in range(self.segments)}
+        # per segment graph: its past inputs and present outputs, as cache keys ("key.3", "value.3")
+        self.io = {k: ([i.name for i in s.get_inputs()][1:], [o.name for o in s.get_outputs()][1:])
+                   for k, s in self.sessions.items()}
         self.cache: dict = {}
         self.syncs = 0
 
@@ -46,15 +48,12 @@ class TrackEngines:
         for j in range(self.segments):
             total = None
             for t in self.tracks:
-                session = self.sessions[(t, j)]
-                names = [i.name for i in session.get_inputs()]
-                feeds = {"hidden": h}
-                for name in names[1:]:
-                    feeds[name] = self.cache.get((t, name.replace("past_", "")), empty)
-                outs = session.run(None, feeds)
-                out_names = [o.name for o in session.get_outputs()]
-                for name, value in zip(out_names[1:], outs[1:]):
-                    self.cache[(t, name.replace("present_", ""))] = value
+                pasts, presents = self.io[(t, j)]
+                feeds = {"hidden": h, **{name: self.cache.get((t, name.removeprefix("past_")), empty)
+                                         for name in pasts}}
+                outs = self.sessions[(t, j)].run(None, feeds)
+                for name, value in zip(presents, outs[1:]):
+                    self.cache[(t, name.removeprefix("present_"))] = value
                 total = outs[0] if total is None else total + outs[0]
             h = h + reduce(total)
             self.syncs += 1
