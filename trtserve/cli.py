@@ -375,7 +375,8 @@ def make_parser() -> argparse.ArgumentParser:
                               "`trtserve eval report DIR` rebuilds the report from DIR's results")
     evaluate.add_argument("action", nargs="*", help="nothing to run a grid, or: report DIR")
     evaluate.add_argument("--grid", type=Path, default=None, help="grid file (TOML)")
-    evaluate.add_argument("--preset", default=None, help="quick (CI, minutes), paper (>= 480 configurations), full")
+    evaluate.add_argument("--preset", default=None, help="quick (CI, minutes), paper (>= 480 configurations), long (decoder at 1024 and 2048 "
+                          "tokens), full")
     evaluate.add_argument("--out", type=Path, default=None, help="results directory (default eval-<grid name>)")
     evaluate.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping what is done")
     evaluate.set_defaults(func=_cmd_eval)
