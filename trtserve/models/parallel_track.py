@@ -25,10 +25,24 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from trtserve.errors import ModelSourceError
 
 MODEL_TYPE = "trtserve_parallel_track"
 WEIGHTS = "model.safetensors"
+
+
+def compact_lookup(vocab, size: int) -> np.ndarray:
+    """A table from tokenizer id (0..size-1) to compact id; tokens outside the vocabulary map to 0.
+
+    `vocab` lists the tokenizer id of each compact id, with -1 for the unknown id.
+    """
+    vocab = np.asarray(vocab, dtype=np.int64)
+    table = np.zeros(size, dtype=np.int64)
+    known = vocab >= 0
+    table[vocab[known]] = np.nonzero(known)[0]
+    return table
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from trtserve.models.parallel_track import PTConfig
+import numpy as np
+
+from trtserve.models.parallel_track import PTConfig, compact_lookup
 from trtserve.progress import say
 
 RECIPE_VERSION = 1  # bump when the training code changes what a recipe produces
@@ -103,8 +105,10 @@ def to_compact(ids: list[int], vocab):
     """Tokenizer ids -> the model's compact ids (0 for tokens outside its vocabulary)."""
     import torch
 
-    lookup = {int(t): i for i, t in enumerate(vocab.tolist()) if t >= 0}
-    return torch.tensor([lookup.get(t, 0) for t in ids], dtype=torch.long)
+    ids = np.asarray(ids, dtype=np.int64)
+    vocab = np.asarray(vocab.tolist(), dtype=np.int64)
+    size = int(max(ids.max(initial=0), vocab.max(initial=0))) + 1
+    return torch.from_numpy(compact_lookup(vocab, size)[ids])
 
 
 def perplexity(model, stream, seq: int, windows: int = 64) -> float:

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from trtserve.errors import TrtServeError
+from trtserve.models.parallel_track import compact_lookup
 from trtserve.runtime.sampling import Sampler, SamplingParams
 from trtserve.server.chat import ChatRenderer
 from trtserve.server.config import ServerConfig
@@ -62,9 +63,7 @@ class TrackGenerationService(GenerationService):
         self.created = int(time.time())
         compact = np.array(json.loads((engine.path / "vocab.json").read_text()), dtype=np.int64)
         self.to_tokenizer = compact
-        self.to_compact = np.zeros(self.vocab, dtype=np.int64)  # unknown -> 0
-        known = compact >= 0
-        self.to_compact[compact[known]] = np.nonzero(known)[0]
+        self.to_compact = compact_lookup(compact, self.vocab)
         self.eos = {int(self.to_compact[t]) for t in _eos_ids(engine.path, self.tokenizer) if self.to_compact[t]}
         self.decoder = None
         self.pool = _Ranks(self)
