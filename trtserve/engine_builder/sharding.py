@@ -21,6 +21,7 @@ import numpy as np
 from trtserve.engine_builder import artifact
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, check_writable_target
+from trtserve.models.parallel_track import TOKENIZER_FILES
 from trtserve.progress import say
 
 OPSET = 20
@@ -140,8 +141,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") ->
             (tmp / "model.ort.onnx").rename(tmp / optimized)
             files[name] = {"graph": optimized, "inputs": inputs, "outputs": outputs}
         (tmp / "vocab.json").write_text(json.dumps(model.vocab.tolist()))  # compact id -> tokenizer id (-1: unknown)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                     "config.json"):
+        for name in (*TOKENIZER_FILES, "config.json"):
             if (Path(checkpoint) / name).is_file():
                 (tmp / name).write_bytes((Path(checkpoint) / name).read_bytes())
         manifest = {

@@ -31,6 +31,8 @@ from trtserve.errors import ModelSourceError
 
 MODEL_TYPE = "trtserve_parallel_track"
 WEIGHTS = "model.safetensors"
+# The tokenizer files a checkpoint carries (SmolLM2's), copied on into its track-sharded engines.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def compact_lookup(vocab, size: int) -> np.ndarray:

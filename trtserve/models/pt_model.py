@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trtserve.errors import ModelSourceError
-from trtserve.models.parallel_track import MODEL_TYPE, WEIGHTS, PTConfig, is_parallel_track
+from trtserve.models.parallel_track import MODEL_TYPE, TOKENIZER_FILES, WEIGHTS, PTConfig, is_parallel_track
 
 
 class RMSNorm(nn.Module):
@@ -162,7 +162,7 @@ def save_checkpoint(model: ParallelTrackModel, out: Path, tokenizer_dir: Path) -
         (tmp / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=2) + "\n")
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 (tmp / name).write_bytes((Path(tokenizer_dir) / name).read_bytes())
 
