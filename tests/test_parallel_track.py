@@ -211,6 +211,18 @@ def test_track_engines_sharded_equal_reference(trained, track_engine, world):
 
 
 @pytest.mark.models
+def test_serve_rejects_a_wrong_tracks_option_before_starting(track_engine, minilm_engine):
+    from tests.conftest import run_cli
+
+    uneven = run_cli("serve", str(track_engine), "--tracks", "3", timeout=120)
+    assert uneven.returncode == 2 and "Traceback" not in uneven.stderr, uneven.stderr[-2000:]
+    assert "4 tracks cannot be split over 3 workers: use a divisor of 4" in uneven.stderr
+    dense = run_cli("serve", str(minilm_engine), "--tracks", "2", timeout=120)
+    assert dense.returncode == 2 and "Traceback" not in dense.stderr, dense.stderr[-2000:]
+    assert "is not one (its model kind is encoder): leave --tracks out" in dense.stderr
+
+
+@pytest.mark.models
 def test_server_serves_a_track_sharded_engine_over_two_workers(trained, track_engine):
     from openai import OpenAI
     from tokenizers import Tokenizer

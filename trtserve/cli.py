@@ -306,12 +306,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from trtserve.server.app import serve
 
     engine = engine_for(args.model, args.precision, args.backend)
-    if args.tracks is not None:
+    if args.tracks is not None:  # here, so a wrong --tracks is one clear error before the server starts
         from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.server.tracks import check_tracks_option
 
-        if "parallel_tracks" not in open_engine_dir(engine, verify=False).manifest:
-            raise TrtServeError(f"--tracks is for track-sharded engines (built from a parallel-track checkpoint); "
-                                f"{engine} is not one: leave --tracks out")
+        check_tracks_option(engine, open_engine_dir(engine, verify=False).manifest, args.tracks)
     serve(replace(cfg, engine_dir=str(engine)))
     return 0
 
@@ -375,8 +374,8 @@ def make_parser() -> argparse.ArgumentParser:
                               "`trtserve eval report DIR` rebuilds the report from DIR's results")
     evaluate.add_argument("action", nargs="*", help="nothing to run a grid, or: report DIR")
     evaluate.add_argument("--grid", type=Path, default=None, help="grid file (TOML)")
-    evaluate.add_argument("--preset", default=None, help="quick (CI, minutes), paper (>= 480 configurations), long (decoder at 1024 and 2048 "
-                          "tokens), full")
+    evaluate.add_argument("--preset", default=None, help="quick (CI, minutes), paper (>= 480 configurations), "
+                          "long (decoder at 1024 and 2048 tokens), full")
     evaluate.add_argument("--out", type=Path, default=None, help="results directory (default eval-<grid name>)")
     evaluate.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping what is done")
     evaluate.set_defaults(func=_cmd_eval)

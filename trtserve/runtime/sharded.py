@@ -9,7 +9,8 @@ Two layouts of the same kind of checkpoint (models/parallel_track.py):
   and their KV cache; an all-reduce after attention and one after the FFN: 2L per forward.
 A checkpoint runs in torch, worker i on GPU i with NCCL where there are GPUs (not run on a GPU
 yet), else on the CPU with gloo; a track-sharded engine dir (engine_builder/sharding.py) runs its
-per-track segment engines in ONNX Runtime on the CPU, with gloo. Embedding, final norm and LM head are replicated; worker 0 returns the logits of the last position.
+per-track segment engines in ONNX Runtime on the CPU, with gloo. Embedding, final norm and LM head
+are replicated; worker 0 returns the logits of the last position.
 The caller talks to the workers over pipes (the inputs, like any serving driver); only the
 all-reduces between workers are counted as synchronisations.
 """
@@ -58,11 +59,14 @@ def shard_params(model, mode: str, rank: int, world: int) -> list[dict]:
     return out
 
 
+def check_track_split(tracks: int, world: int) -> None:
+    if tracks % world:
+        raise TrtServeError(f"{tracks} tracks cannot be split over {world} workers: use a divisor of {tracks}")
+
+
 def check_layout(cfg, mode: str, world: int) -> None:
     if mode == "pt":
-        if cfg.n_tracks % world:
-            raise TrtServeError(f"{cfg.n_tracks} tracks cannot be split over {world} workers: use a divisor of "
-                                f"{cfg.n_tracks}")
+        check_track_split(cfg.n_tracks, world)
     elif mode == "tp":
         if cfg.n_tracks != 1:
             raise TrtServeError("tensor parallelism here splits a dense model (n_tracks = 1); this is a "
@@ -207,9 +211,7 @@ class ShardedDecoder:
                                     "checkpoint with `trtserve build-engine CHECKPOINT --out DIR`")
             if mode != "pt":
                 raise TrtServeError("a track-sharded engine runs with mode 'pt'")
-            tracks = manifest["parallel_tracks"]["tracks"]
-            if tracks % world:
-                raise TrtServeError(f"{tracks} tracks cannot be split over {world} workers: use a divisor of {tracks}")
+            check_track_split(manifest["parallel_tracks"]["tracks"], world)
             self.cfg = None
         else:
             from trtserve.models.pt_model import load_checkpoint

@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 
 from starlette.requests import Request
 
-from trtserve.errors import TrtServeError
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
 from trtserve.server.protocol import (
@@ -127,13 +126,13 @@ def make_service(cfg: ServerConfig, metrics):
     """The embeddings service for an encoder engine, the generation service for a decoder."""
     from trtserve.engine_builder.artifact import open_engine_dir
 
-    kind = open_engine_dir(cfg.engine_dir, verify=False).manifest["model"]["kind"]
-    if kind == "parallel_track":
-        from trtserve.server.tracks import TrackGenerationService
+    from trtserve.server.tracks import TrackGenerationService, check_tracks_option
 
+    manifest = open_engine_dir(cfg.engine_dir, verify=False).manifest
+    check_tracks_option(cfg.engine_dir, manifest, cfg.tracks)
+    kind = manifest["model"]["kind"]
+    if kind == "parallel_track":
         return TrackGenerationService(cfg, metrics)
-    if cfg.tracks is not None:
-        raise TrtServeError(f"--tracks is for track-sharded engines; {cfg.engine_dir} is a {kind} engine")
     if kind == "decoder":
         from trtserve.server.generation import GenerationService
 

@@ -20,12 +20,24 @@ import numpy as np
 from trtserve.errors import TrtServeError
 from trtserve.models.parallel_track import compact_lookup
 from trtserve.runtime.sampling import Sampler, SamplingParams
+from trtserve.runtime.sharded import check_track_split
 from trtserve.server.chat import ChatRenderer
 from trtserve.server.config import ServerConfig
 from trtserve.server.generation import GenerationService, Job
 from trtserve.server.errors import Unavailable
 
 log = logging.getLogger("trtserve.server")
+
+
+def check_tracks_option(engine_dir, manifest: dict, tracks: int | None) -> None:
+    """`--tracks N` is for track-sharded engines only, and N must divide their tracks."""
+    if tracks is None:
+        return
+    if "parallel_tracks" not in manifest:
+        raise TrtServeError(f"--tracks is for track-sharded engines (built from a parallel-track checkpoint); "
+                            f"{engine_dir} is not one (its model kind is {manifest['model']['kind']}): "
+                            "leave --tracks out")
+    check_track_split(manifest["parallel_tracks"]["tracks"], tracks)
 
 
 class _Ranks:
@@ -51,9 +63,6 @@ class TrackGenerationService(GenerationService):
         engine = open_engine_dir(cfg.engine_dir)
         pt = engine.manifest["parallel_tracks"]
         self.tracks = cfg.tracks or pt["tracks"]
-        if pt["tracks"] % self.tracks:
-            raise TrtServeError(f"--tracks {self.tracks}: the engine's {pt['tracks']} tracks cannot be split over "
-                                f"{self.tracks} workers; use a divisor of {pt['tracks']}")
         self.cfg, self.metrics, self.engine = cfg, metrics, engine
         self.tokenizer = load_tokenizer(engine.path)
         self.model_id = cfg.served_model_name or engine.manifest["model"]["id"]
