@@ -54,9 +54,8 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     from trtserve.models.parallel_track import is_parallel_track
     from trtserve.runtime.devices import choose_backend
 
-    chosen, why = choose_backend(backend)
-    if is_parallel_track(Path(model)):
-        chosen, why = "onnxruntime", "track-sharded engines run on ONNX Runtime"
+    tracks = is_parallel_track(Path(model))
+    chosen, why = ("onnxruntime", "track-sharded engines run on ONNX Runtime") if tracks else choose_backend(backend)
     root = engines_root() if root is None else Path(root)
     target = root / f"{Path(model).name}-{precision}-{target_key(chosen)}"
     root.mkdir(parents=True, exist_ok=True)
@@ -67,7 +66,7 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
         except EngineDirError:
             print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
                   file=sys.stderr)
-            if is_parallel_track(Path(model)):
+            if tracks:
                 from trtserve.engine_builder.sharding import build_track_engines
 
                 build_track_engines(Path(model), target, precision)
