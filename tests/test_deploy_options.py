@@ -65,3 +65,30 @@ def test_engine_key_on_the_cpu_and_an_empty_mount(tmp_path):
 def test_serve_rejects_bad_ray_and_thread_flags(tmp_path, flag, value, message):
     result = run_cli("serve", str(tmp_path), flag, value, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_the_engine_cache_key_follows_the_checkpoint_content(tmp_path):
+    from trtserve.deploy.engines import content_key
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "model.safetensors").write_bytes(b"weights v1")
+    first = content_key(str(tmp_path))
+    assert content_key(str(tmp_path)) == first and len(first) == 12
+    (tmp_path / "model.safetensors").write_bytes(b"weights v2")  # same folder name, new weights
+    assert content_key(str(tmp_path)) != first
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("TRTSERVE_PORT", "abc", "TRTSERVE_PORT='abc' is not an integer"),
+    ("TRTSERVE_REQUEST_TIMEOUT", "soon", "TRTSERVE_REQUEST_TIMEOUT='soon' is not a number"),
+    ("TRTSERVE_BACKEND", "gpu", "TRTSERVE_BACKEND='gpu' is not one of auto, onnxruntime, tensorrt"),
+    ("TRTSERVE_RAY", "maybe", "TRTSERVE_RAY='maybe' is not true or false"),
+])
+def test_a_bad_trtserve_variable_is_one_line_for_serve_and_harmless_elsewhere(tmp_path, variable, value, message):
+    served = run_cli("serve", str(tmp_path), env={variable: value}, timeout=60)
+    assert served.returncode == 2 and served.stderr.strip() == f"error: {message}: fix or unset it", served.stderr
+    info = run_cli("info", str(tmp_path), env={variable: value}, timeout=60)
+    assert info.returncode == 2 and "Traceback" not in info.stderr and "no manifest.json" in info.stderr
+    if variable == "TRTSERVE_PORT":
+        check = run_cli("healthcheck", env={variable: value}, timeout=60)
+        assert check.returncode == 2 and message in check.stderr and "Traceback" not in check.stderr

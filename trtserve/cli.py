@@ -11,6 +11,10 @@ from pathlib import Path
 from trtserve.errors import TrtServeError
 
 
+PRECISIONS = ["fp32", "fp16", "hybrid", "auto"]
+BACKENDS = ["auto", "onnxruntime", "tensorrt"]
+
+
 def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", help="Hugging Face checkpoint directory, or a bundled model: "
                         "all-MiniLM-L6-v2, SmolLM2-135M-Instruct")
@@ -209,12 +213,29 @@ def _default_text(kind: str) -> str:
     return " ".join(first.split()[:40]) if kind == "decoder" else first
 
 
-def _env(name: str, default, cast=str):
+_ENV_ERRORS: list[str] = []  # bad TRTSERVE_* values, reported by the command that reads them
+
+
+def _env(name: str, default, cast=str, choices=None):
+    """The default of a serve flag from TRTSERVE_<NAME>. A value that does not parse is recorded
+    (and the default used) so that only `serve` refuses it, with one line naming the variable."""
     value = os.environ.get(f"TRTSERVE_{name}")
-    return default if value is None else cast(value)
+    if value is None:
+        return default
+    try:
+        parsed = cast(value)
+    except ValueError:
+        kind = {int: "an integer", float: "a number", _flag: "true or false"}.get(cast, "valid")
+        _ENV_ERRORS.append(f"TRTSERVE_{name}={value!r} is not {kind}")
+        return default
+    if choices is not None and parsed not in choices:
+        _ENV_ERRORS.append(f"TRTSERVE_{name}={value!r} is not one of {', '.join(choices)}")
+        return default
+    return parsed
 
 
 def _serve_parser(sub) -> None:
+    _ENV_ERRORS.clear()
     serve = sub.add_parser("serve", help="serve an engine over HTTP (OpenAI-compatible); every flag is also "
                            "read from a TRTSERVE_* variable, e.g. TRTSERVE_PORT")
     serve.add_argument("model", nargs="?", default=_env("MODEL", None),
@@ -235,17 +256,24 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--max-wait-ms", type=float, default=_env("MAX_WAIT_MS", 5.0, float),
                        help="longest wait to fill a batch")
     serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
-                       help="rows waiting at most; beyond it requests get 429")
+                       help="encoders: rows waiting at most; decoders: sequences waiting per worker; beyond it "
+                       "requests get 429, and a request with more inputs (prompts x n) gets 400 (default 256)")
+    serve.add_argument("--max-queue-tokens", type=int, default=_env("MAX_QUEUE_TOKENS", 65536, int),
+                       help="decoders: prompt tokens a worker holds, running and waiting; beyond it 429, and a "
+                       "request with more gets 400 (default 65536)")
     serve.add_argument("--api-key", default=_env("API_KEY", None), help="require `Authorization: Bearer KEY`")
     serve.add_argument("--request-timeout", type=float, default=_env("REQUEST_TIMEOUT", 60.0, float),
-                       help="seconds before a request gets 504")
+                       help="seconds before a request gets 504 (a stream: an error event), default 60")
+    serve.add_argument("--worker-timeout", type=float, default=_env("WORKER_TIMEOUT", 120.0, float),
+                       help="seconds one batch or generation step may take; a worker that misses it (hung, "
+                       "stopped) is killed and restarted and its requests get 503 (default 120)")
     serve.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float),
                        help="on SIGTERM, seconds to finish in-flight requests before exiting")
     serve.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                        help="model name clients use (default: the engine's model id)")
-    serve.add_argument("--precision", default=_env("PRECISION", "fp32"),
+    serve.add_argument("--precision", default=_env("PRECISION", "fp32", choices=PRECISIONS), choices=PRECISIONS,
                        help="when MODEL is a checkpoint: the precision policy of the engine built for it (default fp32)")
-    serve.add_argument("--backend", default=_env("BACKEND", "auto"), choices=["auto", "onnxruntime", "tensorrt"],
+    serve.add_argument("--backend", default=_env("BACKEND", "auto", choices=BACKENDS), choices=BACKENDS,
                        help="when MODEL is a checkpoint: the backend its engine is built for (default auto)")
     serve.add_argument("--threads", type=int, default=_env("THREADS", None, int),
                        help="CPU threads per worker (default: the cores divided among the workers)")
@@ -269,28 +297,35 @@ def _serve_parser(sub) -> None:
 
 
 def _flag(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    word = value.strip().lower()
+    if word not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+        raise ValueError(value)
+    return word in ("1", "true", "yes", "on")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from trtserve.server.config import ServerConfig
 
+    if _ENV_ERRORS:
+        raise TrtServeError(f"{_ENV_ERRORS[0]}: fix or unset it")
     if not args.model:
         raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL)")
-    for name in ("max_batch", "max_batch_tokens", "max_queue", "port", "max_num_seqs", "max_n"):
+    for name in ("max_batch", "max_batch_tokens", "max_queue", "max_queue_tokens", "port", "max_num_seqs", "max_n"):
         if getattr(args, name) < 1:
             raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout", "replicas", "num_gpus_per_replica"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("threads", "max_replicas", "num_cpus_per_replica", "tracks"):
+    for name in ("threads", "max_replicas", "num_cpus_per_replica", "tracks", "worker_timeout"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise TrtServeError(f"--{name.replace('_', '-')} must be positive")
     cfg = ServerConfig(engine_dir=args.model, host=args.host, port=args.port,
                        workers=args.workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                        max_num_seqs=args.max_num_seqs, max_n=args.max_n,
-                       max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, api_key=args.api_key,
-                       request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
+                       max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                       max_queue_tokens=args.max_queue_tokens, api_key=args.api_key,
+                       request_timeout=args.request_timeout, worker_timeout=args.worker_timeout,
+                       drain_timeout=args.drain_timeout,
                        served_model_name=args.served_model_name, threads=args.threads, tracks=args.tracks)
     if args.ray:
         from trtserve.deploy.ray_serve import RayOptions, run
@@ -336,7 +371,11 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    url = args.url or f"http://127.0.0.1:{_env('PORT', 8000, int)}/health"
+    port = _env("PORT", 8000, int)
+    bad = [e for e in _ENV_ERRORS if e.startswith("TRTSERVE_PORT=")]
+    if bad and not args.url:
+        raise TrtServeError(f"{bad[0]}: fix or unset it, or give --url")
+    url = args.url or f"http://127.0.0.1:{port}/health"
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as response:
             print(f"healthy: {url} answered {response.status}")

@@ -1,8 +1,9 @@
 """First-start engines: serve an engine dir as given, or build one for this machine once and reuse it.
 
-A TensorRT plan is tied to the GPU model and the TensorRT version that built it, so a built engine
-is keyed by its target: `<model>-<precision>-onnxruntime` on the CPU, `<model>-<precision>-<flavour>
-<version>-<gpu>-sm<cc>` on a GPU. Several processes starting at once on one volume (replicas,
+A built engine is keyed by the checkpoint's content (a changed checkpoint gets a new engine, never
+the old one) and by its target, since a TensorRT plan is tied to the GPU model and the TensorRT
+version that built it: `<model>-<content hash>-<precision>-onnxruntime` on the CPU,
+`<model>-<content hash>-<precision>-<flavour><version>-<gpu>-sm<cc>` on a GPU. Several processes starting at once on one volume (replicas,
 containers) take a lock so that one builds and the others reuse its result.
 """
 
@@ -28,6 +29,19 @@ def target_key(backend: str) -> str:
     devices = cuda_device_info()
     gpu = f"{_slug(devices[0]['name'])}-sm{devices[0]['compute_capability'].replace('.', '')}" if devices else "nogpu"
     return f"{flavour.replace('_', '-')}{trt.__version__}-{gpu}"
+
+
+def content_key(model: str) -> str:
+    """The first 12 hex digits of the sha256 over the checkpoint's files (names and contents)."""
+    from trtserve.fileio import sha256_files
+
+    path = Path(model)
+    if not path.is_dir():  # a bundled model's name: its checkpoint as the builder will read it
+        from trtserve.models.sources import resolve
+
+        path = resolve(model).path
+    files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    return sha256_files(files, path)[:12]
 
 
 def _slug(text: str) -> str:
@@ -57,7 +71,7 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     tracks = is_parallel_track(Path(model))
     chosen, why = ("onnxruntime", "track-sharded engines run on ONNX Runtime") if tracks else choose_backend(backend)
     root = engines_root() if root is None else Path(root)
-    target = root / f"{Path(model).name}-{precision}-{target_key(chosen)}"
+    target = root / f"{Path(model).name}-{content_key(model)}-{precision}-{target_key(chosen)}"
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{target.name}.lock"):
         try:
