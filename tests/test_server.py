@@ -97,7 +97,10 @@ def test_malformed_requests_get_openai_shaped_errors(server, kwargs, status, mes
 
 def test_health_and_metrics_need_no_key(server, client):
     client.embeddings.create(model="all-MiniLM-L6-v2", input="count me")
-    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    anonymous = httpx.get(f"{server}/health").json()
+    assert anonymous["status"] == "ok" and "workers" not in anonymous  # pids only for the key holder
+    keyed = httpx.get(f"{server}/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert keyed["workers"][0]["pid"] > 0
     text = httpx.get(f"{server}/metrics").text
     assert 'trtserve_requests_total{route="/v1/embeddings",status="200"}' in text
     assert "trtserve_batch_size_bucket" in text and "trtserve_queue_seconds_count" in text

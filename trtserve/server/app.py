@@ -57,7 +57,7 @@ def build_app(cfg: ServerConfig):
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
     app.state.trtserve = state  # the running service, for hosts that embed the app (Ray Serve replicas)
-    app.add_middleware(Guard, cfg=cfg, metrics=metrics)
+    app.add_middleware(Guard, cfg=cfg, metrics=metrics, routes=lambda: app.routes)
 
     @app.exception_handler(ServingError)
     async def serving_error(request, exc: ServingError):
@@ -65,12 +65,12 @@ def build_app(cfg: ServerConfig):
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return error_response(BadRequest(f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})"))
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
-        return error_response(BadRequest(message, param=where))
+        where, message = _explain(errors)
+        return error_response(BadRequest(f"{where}: {message}" if where else message, param=where))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
@@ -93,17 +93,17 @@ def build_app(cfg: ServerConfig):
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request):
         service = _generator(state, request)
-        jobs = service.completion_jobs(request)
-        return await _answer(raw, service, jobs, request, chat=False, metrics=metrics)
+        jobs = await service.completion_jobs(request)
+        return await _answer(raw, service, jobs, request, chat=False, cfg=cfg, metrics=metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         service = _generator(state, request)
-        jobs = service.chat_jobs(request)
-        return await _answer(raw, service, jobs, request, chat=True, metrics=metrics)
+        jobs = await service.chat_jobs(request)
+        return await _answer(raw, service, jobs, request, chat=True, cfg=cfg, metrics=metrics)
 
     @app.get("/health")
-    async def health():
+    async def health(raw: Request):
         service = state.get("service")
         if service is None:
             return error_response(Unavailable("the server is starting"))
@@ -112,7 +112,10 @@ def build_app(cfg: ServerConfig):
             down = [w["index"] for w in workers if not w["ready"]]
             why = f"worker(s) {down} are restarting" if down else "a worker has not answered a probe recently"
             return error_response(Unavailable(why))
-        return {"status": "ok", "model": service.model_id, "workers": workers}
+        body = {"status": "ok", "model": service.model_id}
+        if key_matches(cfg, raw.headers.get("authorization", "")):  # pids and load are for the operator only
+            body["workers"] = workers
+        return body
 
     @app.get("/metrics")
     async def prometheus():
@@ -142,6 +145,24 @@ def make_service(cfg: ServerConfig, metrics):
     return EmbeddingService(cfg, metrics)
 
 
+def _explain(errors: list[dict]) -> tuple[str | None, str]:
+    """(field path, message) of pydantic's errors: of a union's branches, the one that got deepest
+    into the value; where they all stop at the same place, what each branch expected."""
+    if not errors:
+        return None, "invalid request"
+
+    def path(error) -> list:
+        # drop "body" and the names pydantic gives union branches ("list[constrained-int]", ...)
+        return [p for p in error.get("loc", ()) if isinstance(p, int) or (p != "body" and p.isidentifier())]
+
+    deepest = max(len(path(e)) for e in errors)
+    best = [e for e in errors if len(path(e)) == deepest]
+    specific = [e for e in best if not e.get("type", "").endswith("_type")]
+    chosen = specific[:1] or best
+    where = ".".join(str(p) for p in path(chosen[0])) or None
+    return where, " or ".join(dict.fromkeys(str(e.get("msg", "invalid")) for e in chosen))
+
+
 def _generator(state: dict, request):
     if request.model_extra:
         log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
@@ -152,17 +173,21 @@ def _generator(state: dict, request):
     return service
 
 
-async def _answer(raw, service, jobs, request, chat: bool, metrics):
-    from fastapi.responses import StreamingResponse
+async def _answer(raw, service, jobs, request, chat: bool, cfg: ServerConfig, metrics):
+    from trtserve.server.completions import Deadline, SequenceStream, complete, stream
 
-    from trtserve.server.completions import complete, stream
-
+    deadline = Deadline(cfg.request_timeout)
+    submission = service.submit(jobs)  # 429 / 503 here, as real statuses, before any byte is sent
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        # Starlette cancels this generator when the client disconnects; cancelling closes the sequences
-        return StreamingResponse(stream(service, jobs, chat, request.model, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _unless_disconnected(raw, complete(service, jobs, chat, request.model), metrics)
+        # Starlette cancels this generator when the client disconnects; the response closes the sequences
+        return SequenceStream(stream(service, jobs, submission, chat, request.model, include_usage, deadline),
+                              submission)
+    try:
+        return await _unless_disconnected(raw, complete(service, jobs, submission, chat, request.model, deadline),
+                                          metrics)
+    finally:
+        submission.close()
 
 
 async def _unless_disconnected(raw, work, metrics):
@@ -193,14 +218,13 @@ class Guard:
     """ASGI middleware (not BaseHTTPMiddleware, which costs a task per request and hides disconnects):
     API key, body size limit (Content-Length or counted while streaming), request metrics."""
 
-    def __init__(self, app, cfg: ServerConfig, metrics):
-        self.app, self.cfg, self.metrics = app, cfg, metrics
-        self.expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+    def __init__(self, app, cfg: ServerConfig, metrics, routes=lambda: []):
+        self.app, self.cfg, self.metrics, self.routes = app, cfg, metrics, routes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started, route, status = time.perf_counter(), scope["path"], [500]
+        started, route, status = time.perf_counter(), self._template(scope), [500]
 
         async def send_status(message):
             if message["type"] == "http.response.start":
@@ -221,10 +245,19 @@ class Guard:
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
             self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
 
+    def _template(self, scope) -> str:
+        """The route's path template as the metrics label: a client cannot mint new label values."""
+        from starlette.routing import Match
+
+        for route in self.routes():
+            if route.matches(scope)[0] != Match.NONE:
+                return getattr(route, "path", "unmatched")
+        return "unmatched"
+
     def _reject(self, scope) -> ServingError | None:
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if scope["path"] not in OPEN_PATHS:
+            if not key_matches(self.cfg, headers.get(b"authorization", b"").decode("latin-1")):
                 return Unauthorized("invalid or missing API key: send `Authorization: Bearer <key>`",
                                     code="invalid_api_key")
         size = headers.get(b"content-length", b"")
@@ -243,6 +276,13 @@ class Guard:
             return message
 
         return counted
+
+
+def key_matches(cfg: ServerConfig, authorization: str) -> bool:
+    """True when no API key is set, or the Authorization header carries it."""
+    if not cfg.api_key:
+        return True
+    return hmac.compare_digest(authorization.encode("latin-1", "replace"), f"Bearer {cfg.api_key}".encode())
 
 
 class _TooLarge(BaseException):
