@@ -1,6 +1,7 @@
 """Generation with the real SmolLM2 engine: the continuous batcher against plain greedy decoding,
 and the real server against Hugging Face's own `generate`, with the official openai client."""
 
+import asyncio
 import concurrent.futures
 import time
 
@@ -157,8 +158,8 @@ def test_no_chat_template_is_a_clear_400_and_completions_still_work(smollm2):
     service = GenerationService(ServerConfig(engine_dir=str(smollm2)))
     service.chat = None  # as for a tokenizer config without a chat template
     with pytest.raises(BadRequest, match="no chat template"):
-        service.chat_jobs(ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}]))
-    assert service.completion_jobs(CompletionRequest(model=MODEL, prompt="hi"))[0].prompt
+        asyncio.run(service.chat_jobs(ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}])))
+    assert asyncio.run(service.completion_jobs(CompletionRequest(model=MODEL, prompt="hi")))[0].prompt
 
 
 def test_client_that_disconnects_mid_stream_frees_its_sequence(server):

@@ -77,3 +77,28 @@ def test_chat_template_renders_roles_and_refuses_bad_messages():
     strict = ChatRenderer("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(BadRequest, match="roles must alternate"):
         strict.render([{"role": "user", "content": "x"}])
+
+
+def test_any_64_bit_seed_and_a_tiny_temperature_sample_without_raising():
+    for seed in (-1, -(2**63), 2**63 - 1, 0):
+        Sampler(SamplingParams(seed=seed, temperature=1.0), 4).choose(LOGITS)
+    assert Sampler(SamplingParams(temperature=1e-30), 4).choose(LOGITS)[0] == 0  # below 1e-5: greedy
+    assert Sampler(SamplingParams(temperature=1e-5, seed=3), 4).choose(LOGITS)[0] == 0
+
+
+def test_logits_that_are_not_numbers_raise_a_sampling_error_masked_tokens_do_not():
+    from trtserve.runtime.sampling import SamplingError
+
+    for bad in (np.array([0.1, np.nan, 0.2, 0.3]), np.array([0.1, np.inf, 0.2, 0.3]), np.full(4, -np.inf)):
+        with pytest.raises(SamplingError, match="not finite"):
+            Sampler(SamplingParams(temperature=0.7, seed=0), 4).choose(bad.astype(np.float32))
+    masked = np.array([-np.inf, 0.0, -np.inf, -np.inf], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0.7, seed=0, logprobs=2), 4).choose(masked)[0] == 1
+
+
+def test_penalties_count_tokens_only_when_asked():
+    plain = Sampler(SamplingParams(temperature=0), 49152)
+    plain.choose(np.zeros(49152, dtype=np.float32))
+    assert plain.counts is None  # no vocabulary-sized array per waiting sequence
+    penalised = Sampler(SamplingParams(temperature=0, frequency_penalty=2.0), 4)
+    assert [penalised.choose(LOGITS)[0] for _ in range(2)] == [0, 1]

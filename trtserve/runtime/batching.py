@@ -144,7 +144,12 @@ class ContinuousBatcher:
     def _choose(self, seqs: list[Sequence], logits: np.ndarray) -> list[Event]:
         events, done = [], []
         for row, s in enumerate(seqs):
-            token, logprob, top = s.sampler.choose(logits[row])
+            try:
+                token, logprob, top = s.sampler.choose(logits[row])
+            except Exception as exc:  # this sequence ends with the error; its neighbours go on
+                events.append(Event(s.id, -1, error=f"{type(exc).__name__}: {exc}"))
+                done.append(s.id)
+                continue
             if token in self.eos_ids and not s.params.ignore_eos:
                 events.append(Event(s.id, -1, logprob, top, finish="stop"))
                 done.append(s.id)

@@ -1,11 +1,20 @@
 """Next-token choice on logits, in numpy: greedy, temperature, top-k, top-p, seeded generators,
-presence/frequency penalties (OpenAI's formula), and log-probabilities when asked."""
+presence/frequency penalties (OpenAI's formula), and log-probabilities when asked.
+
+A row of logits the model got wrong (NaN, +inf) raises SamplingError: the caller ends that one
+sequence, never its neighbours."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (vLLM's rule): dividing by it overflows
+
+
+class SamplingError(ValueError):
+    """This sequence cannot go on (its logits are not numbers)."""
 
 
 @dataclass(frozen=True)
@@ -33,21 +42,29 @@ class Sampler:
     """One per sequence: its own random generator (seeded for reproducible output) and token counts."""
 
     def __init__(self, params: SamplingParams, vocab: int):
-        self.params = params
-        self.rng = np.random.default_rng(params.seed)
-        self.counts = np.zeros(vocab, dtype=np.int32)
+        self.params, self.vocab = params, vocab
+        # any 64-bit seed, negative ones included (numpy's generators take non-negative seeds only)
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
+        self.counts: np.ndarray | None = None  # token counts for the penalties, made on first use
 
     def choose(self, logits: np.ndarray) -> tuple[int, float | None, list[tuple[int, float]] | None]:
         """(token, its logprob or None, top logprobs or None) from one row of logits."""
         p = self.params
         logits = logits.astype(np.float32, copy=True)
+        top = float(np.max(logits)) if logits.size else float("nan")
+        if not np.isfinite(top) or np.isnan(logits).any():
+            raise SamplingError("the model's logits for this sequence are not finite numbers (NaN or inf); "
+                                "the engine's precision may not suit this input")
         if p.presence_penalty or p.frequency_penalty:
+            if self.counts is None:
+                self.counts = np.zeros(self.vocab, dtype=np.int32)
             logits -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
-        if p.temperature == 0 or p.top_k == 1:
+        if p.temperature < GREEDY_BELOW or p.top_k == 1:
             token = int(np.argmax(logits))
         else:
-            token = self._sample(logits / p.temperature)
-        self.counts[token] += 1
+            token = self._sample((logits - np.max(logits)) / p.temperature)
+        if self.counts is not None:
+            self.counts[token] += 1
         if p.logprobs is None:
             return token, None, None
         logp = log_softmax(logits)
@@ -59,7 +76,7 @@ class Sampler:
         order = np.argsort(-logits)
         if p.top_k:
             order = order[: p.top_k]
-        probs = np.exp(logits[order] - logits[order[0]])
+        probs = np.exp((logits[order] - logits[order[0]]).astype(np.float64))
         probs /= probs.sum()
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix with mass >= top_p

@@ -233,7 +233,7 @@ class ShardedDecoder:
 
     def _receive(self, rank: int):
         if not self.conns[rank].poll(self.timeout):
-            self.close()
+            self.kill()  # hung or stopped: waiting for a polite exit would only add to the delay
             raise TrtServeError(f"sharded worker {rank} did not answer in {self.timeout:g} s")
         try:
             message = self.conns[rank].recv()
@@ -273,6 +273,13 @@ class ShardedDecoder:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
 
     def __enter__(self):
         return self

@@ -9,26 +9,29 @@ import json
 import time
 import uuid
 
-from trtserve.server.errors import ServingError
-from trtserve.server.generation import GenerationService, Job
+from starlette.responses import StreamingResponse
+
+from trtserve.server.errors import ServingError, Timeout
+from trtserve.server.generation import GenerationService, Job, Submission
 
 
-async def _merged(service: GenerationService, jobs: list[Job]):
-    """(choice index, Piece) from every job as they come; cancels the rest if the consumer stops."""
+async def _merged(submission: Submission, deadline: Deadline):
+    """(choice index, Piece) from every stream as they come, until all finished; Timeout once the
+    deadline passes. Closes the submission (cancelling what has not finished) at the end."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, job: Job):
+    async def pump(index: int, pieces):
         try:
-            async for piece in service.stream(job):
+            async for piece in pieces:
                 await queue.put((index, piece))
         except Exception as exc:
             await queue.put((index, exc))
 
-    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(submission.streams)]
     finished = 0
     try:
-        while finished < len(jobs):
-            index, item = await queue.get()
+        while finished < len(tasks):
+            index, item = await _get_before(queue, deadline)
             if isinstance(item, Exception):
                 raise item
             finished += item.finish is not None
@@ -37,6 +40,28 @@ async def _merged(service: GenerationService, jobs: list[Job]):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        submission.close()
+
+
+class Deadline:
+    """When a request must be answered by: `seconds` from now on the monotonic clock."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.at = seconds, time.monotonic() + seconds
+
+
+async def _get_before(queue: asyncio.Queue, deadline: Deadline):
+    """queue.get() until the deadline. Not asyncio.wait_for: on Python 3.11 an item that arrives as
+    the timeout fires is lost with it."""
+    getter = asyncio.ensure_future(queue.get())
+    done, _ = await asyncio.wait({getter}, timeout=max(deadline.at - time.monotonic(), 0))
+    if getter not in done:
+        getter.cancel()
+        try:
+            return await getter  # it may have completed just before the cancel
+        except asyncio.CancelledError:
+            raise Timeout(f"the request took longer than {deadline.seconds:g} s (--request-timeout)") from None
+    return getter.result()
 
 
 class _Shape:
@@ -82,13 +107,14 @@ def _usage(jobs: list[Job], completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
-async def complete(service: GenerationService, jobs: list[Job], chat: bool, model: str) -> dict:
+async def complete(service: GenerationService, jobs: list[Job], submission: Submission, chat: bool, model: str,
+                   deadline: Deadline) -> dict:
     shape = _Shape(service, chat, model)
     texts = [job.echo for job in jobs]
     entries: list[list] = [[] for _ in jobs]
     finish: list[str | None] = [None] * len(jobs)
     tokens = 0
-    async for index, piece in _merged(service, jobs):
+    async for index, piece in _merged(submission, deadline):
         texts[index] += piece.text
         entries[index] += piece.logprobs
         tokens += len(piece.tokens)
@@ -98,8 +124,10 @@ async def complete(service: GenerationService, jobs: list[Job], chat: bool, mode
     return shape.envelope(choices, _usage(jobs, tokens), chunk=False)
 
 
-async def stream(service: GenerationService, jobs: list[Job], chat: bool, model: str, include_usage: bool):
-    """Server-sent events, ready to write."""
+async def stream(service: GenerationService, jobs: list[Job], submission: Submission, chat: bool, model: str,
+                 include_usage: bool, deadline: Deadline):
+    """Server-sent events, ready to write. An error after the first byte (a worker lost, the
+    deadline passed) is a last event in the error shape, then [DONE]."""
     shape = _Shape(service, chat, model)
     tokens, started = 0, set()
     offsets = [len(job.echo) for job in jobs]
@@ -108,7 +136,7 @@ async def stream(service: GenerationService, jobs: list[Job], chat: bool, model:
             if chat or job.echo:
                 started.add(index)
                 yield _event(shape.envelope([shape.choice(index, job.echo, None, None, True, first=True)], None, True))
-        async for index, piece in _merged(service, jobs):
+        async for index, piece in _merged(submission, deadline):
             tokens += len(piece.tokens)
             if not piece.text and not piece.finish and not piece.logprobs:
                 continue
@@ -125,8 +153,26 @@ async def stream(service: GenerationService, jobs: list[Job], chat: bool, model:
     except Exception as exc:  # noqa: BLE001 - the stream has begun: the client must get an error event
         yield _event({"error": {"message": f"generation failed: {type(exc).__name__}: {exc}",
                                 "type": "internal_error", "param": None, "code": None}})
+    finally:
+        submission.close()
     yield "data: [DONE]\n\n"
 
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+
+class SequenceStream(StreamingResponse):
+    """The SSE response of a stream; its sequences are closed whatever happens to the response
+    (a generator Starlette never started would never run its own cleanup)."""
+
+    def __init__(self, events, submission: Submission):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.submission = submission
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.close()

@@ -16,9 +16,11 @@ class ServerConfig:
     max_num_seqs: int = 16  # decoders: sequences in the running batch
     max_n: int = 8  # decoders: largest `n` a request may ask for
     max_wait_ms: float = 5.0
-    max_queue: int = 256
+    max_queue: int = 256  # encoders: rows waiting; decoders: sequences waiting per worker
+    max_queue_tokens: int = 65536  # decoders: prompt tokens a worker holds, running and waiting
     api_key: str | None = None
     request_timeout: float = 60.0
+    worker_timeout: float = 120.0  # seconds one batch or generation step may take before its worker is replaced
     drain_timeout: float = 30.0
     max_body_bytes: int = 2 * 1024 * 1024
     served_model_name: str | None = None

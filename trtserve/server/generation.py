@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from trtserve.runtime.sampling import SamplingParams
 from trtserve.server.chat import ChatRenderer
 from trtserve.server.config import ServerConfig, placement
-from trtserve.server.errors import BadRequest, ModelNotFound, ServingError, Unavailable
+from trtserve.runtime.text import token_ids
+from trtserve.server.errors import BadRequest, ModelNotFound, Overloaded, ServingError, Unavailable
 from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from trtserve.server.workers import WorkerPool
 
@@ -40,6 +41,19 @@ class Job:
     echo: str = ""
 
 
+class Submission:
+    """The sequences of one request, admitted together: one async stream of Pieces per job, and
+    close() to cancel whatever has not finished (idempotent)."""
+
+    def __init__(self, streams: list, on_close=None):
+        self.streams, self._on_close = streams, on_close
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
+
+
 class GenerationService:
     kind = "decoder"
 
@@ -60,7 +74,8 @@ class GenerationService:
         count, devices, threads, why = placement(cfg.workers, cfg.threads)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
         options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq)}
-        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, generation=options)
+        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, generation=options,
+                               deadline=cfg.worker_timeout)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -77,9 +92,13 @@ class GenerationService:
 
     async def _probe_on(self, worker) -> None:
         job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
-        async with asyncio.timeout(PROBE_TIMEOUT):
-            async for _ in self.stream(job, worker):
-                pass
+        submission = self._open([job], worker)
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT):
+                async for _ in submission.streams[0]:
+                    pass
+        finally:
+            submission.close()
 
     def healthy(self, within: float) -> bool:
         return self.pool.healthy(within)
@@ -91,46 +110,68 @@ class GenerationService:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     # -- requests to jobs -----------------------------------------------------------------------
-    def completion_jobs(self, request: CompletionRequest) -> list[Job]:
+    async def completion_jobs(self, request: CompletionRequest) -> list[Job]:
         self._check_model(request.model)
         prompts = request.prompt
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise BadRequest("`prompt` is empty: give a string, a list of strings or token arrays", param="prompt")
+        self._check_count(len(prompts) * request.n, request.n, "prompt")  # before any tokenizing
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await asyncio.to_thread(token_ids, self.tokenizer, texts) if texts else [])
         jobs = []
         for prompt in prompts:
-            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = next(encoded) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise BadRequest("`prompt` has no tokens: give some text", param="prompt")
             if any(not 0 <= t < self.vocab for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", param="prompt")
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if request.echo else ""
             jobs += self._fan_out(request, ids, request.max_tokens or 16, request.logprobs, echo)
+        self._check_tokens(jobs)
         return jobs
 
-    def chat_jobs(self, request: ChatCompletionRequest) -> list[Job]:
+    async def chat_jobs(self, request: ChatCompletionRequest) -> list[Job]:
         self._check_model(request.model)
         if self.chat is None:
             raise BadRequest(f"`{self.model_id}` has no chat template in its tokenizer config: use /v1/completions "
                              "with a prompt you format yourself", param="messages")
+        _refuse_unserved(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        self._check_count(request.n, request.n, "n")
         messages = [{"role": m.role, "content": _text(m.content)} for m in request.messages]
-        ids = self.tokenize(self.chat.render(messages), special=False)
+        prompt = await asyncio.to_thread(self.chat.render, messages)
+        ids = (await asyncio.to_thread(token_ids, self.tokenizer, [prompt], False))[0]
         limit = request.max_completion_tokens or request.max_tokens or max(self.max_seq - len(ids), 1)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        return self._fan_out(request, ids, limit, logprobs, "")
+        jobs = self._fan_out(request, ids, limit, logprobs, "")
+        self._check_tokens(jobs)
+        return jobs
+
+    def _check_count(self, sequences: int, n: int, param: str) -> None:
+        """A request can never hold more sequences than one worker queues: 400, since retrying cannot help."""
+        if n > self.cfg.max_n:
+            raise BadRequest(f"`n` is {n}; this server allows at most {self.cfg.max_n} (--max-n)", param="n")
+        if sequences > self.cfg.max_queue:
+            raise BadRequest(f"this request asks for {sequences} sequences (prompts x n); this server queues at "
+                             f"most {self.cfg.max_queue} per worker (--max-queue): split the request", param=param)
+
+    def _check_tokens(self, jobs: list[Job]) -> None:
+        tokens = sum(len(j.prompt) for j in jobs)
+        if tokens > self.cfg.max_queue_tokens:
+            raise BadRequest(f"this request's prompts hold {tokens} tokens (counting each of `n` choices); this "
+                             f"server queues at most {self.cfg.max_queue_tokens} per worker (--max-queue-tokens): "
+                             "split the request", param="prompt")
 
     def _fan_out(self, request, ids: list[int], max_tokens: int, logprobs: int | None, echo: str) -> list[Job]:
-        if request.n > self.cfg.max_n:
-            raise BadRequest(f"`n` is {request.n}; this server allows at most {self.cfg.max_n} (--max-n)", param="n")
         if len(ids) + max_tokens > self.max_seq:
             raise BadRequest(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} "
                              f"is over this engine's context of {self.max_seq} tokens; shorten the prompt or lower "
                              "max_tokens", param="max_tokens", code="context_length_exceeded")
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
+        if len(stop) > 4:
             raise BadRequest("`stop` takes up to 4 non-empty strings", param="stop")
         jobs = []
         for i in range(request.n):
@@ -147,21 +188,35 @@ class GenerationService:
             raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_id}`",
                                 param="model", code="model_not_found")
 
-    # -- one sequence ---------------------------------------------------------------------------
-    async def stream(self, job: Job, worker=None):
-        """Yield Pieces of one sequence. Text that may be the start of a stop string, or an
-        incomplete UTF-8 character, is held back until it is decided."""
-        worker = worker or self.pool.pick()
-        if worker.channel.closed:
-            raise Unavailable(f"worker {worker.index} is restarting; retry the request")
-        seq_id, queue = worker.channel.open(job.prompt, job.params)
-        state = {"done": False}
-        try:
-            async for piece in self.pieces(job, queue.get, worker.index, state):
-                yield piece
-        finally:
-            worker.channel.close(seq_id, cancel=not state["done"])
+    # -- admission --------------------------------------------------------------------------------
+    def submit(self, jobs: list[Job]) -> Submission:
+        """Admit every job of a request on one worker, or none: 429 when no worker has room for
+        them (--max-num-seqs running + --max-queue waiting sequences, --max-queue-tokens prompt
+        tokens), 503 when no worker is ready. Known before any byte of the answer is sent."""
+        ready = [w for w in self.pool.workers if w.ready and w.channel is not None and not w.channel.closed]
+        if not ready:
+            raise Unavailable(f"no worker is ready ({len(self.pool.workers)} restarting); retry shortly")
+        tokens = sum(len(j.prompt) for j in jobs)
+        room = [w for w in ready if len(w.channel.streams) + len(jobs) <= self.cfg.max_num_seqs + self.cfg.max_queue
+                and w.channel.queued_tokens() + tokens <= self.cfg.max_queue_tokens]
+        if not room:
+            raise Overloaded(f"every worker is full ({self.cfg.max_num_seqs} running and {self.cfg.max_queue} waiting "
+                             f"sequences, {self.cfg.max_queue_tokens} prompt tokens each); retry shortly")
+        return self._open(jobs, min(room, key=lambda w: w.load_now))
 
+    def _open(self, jobs: list[Job], worker) -> Submission:
+        opened = [(job, *worker.channel.open(job.prompt, job.params)) for job in jobs]
+        states = [{"done": False} for _ in jobs]
+
+        def close():
+            for (_, seq_id, _), state in zip(opened, states):
+                worker.channel.close(seq_id, cancel=not state["done"])
+
+        streams = [self.pieces(job, queue.get, worker.index, state)
+                   for (job, _, queue), state in zip(opened, states)]
+        return Submission(streams, close)
+
+    # -- one sequence ---------------------------------------------------------------------------
     async def pieces(self, job: Job, next_event, where: int, state: dict):
         """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts);
         state["done"] turns True once the sequence finished."""
@@ -227,7 +282,21 @@ def _safe_end(text: str, stops: list[str]) -> int:
     return end - hold
 
 
+def _refuse_unserved(request: ChatCompletionRequest) -> None:
+    """Structured outputs and tools are not served yet: refused, never silently ignored."""
+    kind = (request.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise BadRequest(f"response_format {kind!r} is not supported by this server yet; only 'text'",
+                         param="response_format")
+    if request.tools:
+        raise BadRequest("`tools` (function calling) is not supported by this server yet", param="tools")
+    if request.tool_choice not in (None, "none"):
+        raise BadRequest("`tool_choice` needs `tools`, which this server does not support yet", param="tool_choice")
+
+
 def _event_error(error: str, worker: int) -> ServingError:
     if error == "worker_died":
         return Unavailable(f"worker {worker} stopped while generating this sequence; retry the request")
+    if error == "worker_hung":
+        return Unavailable(f"worker {worker} stopped making progress and is being restarted; retry the request")
     return ServingError(f"the backend failed while generating: {error}")

@@ -1,16 +1,24 @@
 """Generation across the worker boundary. The worker side runs the continuous batcher: it takes
 ("add", ...) and ("cancel", id) messages between decode steps and sends each step's new tokens
-back in one message. The server side reads those on a thread and routes every event to the
-asyncio queue of its sequence; if the worker dies, every sequence it held gets an error."""
+back in one message. The server side writes to the pipe from a thread of its own (the event loop
+never blocks on a full pipe) and reads on another thread, routing every event to the asyncio queue
+of its sequence; if the worker dies or stops making progress, every sequence it held gets an error.
+
+A failure inside one sequence (bad parameters, logits that are not numbers) ends that sequence;
+a failure of a whole step ends the sequences of that step; the loop itself goes on."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import queue as queue_module
 import threading
+import time
 
 from trtserve.runtime.sampling import SamplingParams
 
+log = logging.getLogger("trtserve.server")
 _ids = itertools.count()
 
 
@@ -18,10 +26,14 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> N
     """Worker side: serve ("add", (id, prompt ids, params dict)), ("cancel", id), ("stop", None)."""
     from trtserve.runtime.batching import ContinuousBatcher
 
-    batcher = ContinuousBatcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id)
+    def fresh():
+        return ContinuousBatcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id)
+
+    batcher = fresh()
     while True:
         try:
             waiting = not batcher.has_work()
+            failed = []
             while conn.poll(None if waiting else 0):  # block only when there is nothing to decode
                 op, payload = conn.recv()
                 waiting = False
@@ -29,46 +41,77 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> N
                     return
                 if op == "add":
                     seq_id, prompt, params = payload
-                    batcher.add(seq_id, prompt, SamplingParams(**params))
+                    try:
+                        batcher.add(seq_id, prompt, SamplingParams(**params))
+                    except Exception as exc:  # noqa: BLE001 - this sequence fails, the loop goes on
+                        failed.append({"id": seq_id, "token": -1, "error": f"{type(exc).__name__}: {exc}"})
                 elif op == "cancel":
                     batcher.cancel(payload)
-            events = batcher.step()
-            conn.send(("events", ([e.__dict__ for e in events], batcher.running, len(batcher.waiting))))
+            try:
+                events = failed + [e.__dict__ for e in batcher.step()]
+            except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
+                log.exception("generation step failed")
+                held = [s.id for s in list(batcher.waiting) + batcher.batch.seqs]
+                events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
+                batcher = fresh()
+            conn.send(("events", (events, batcher.running, len(batcher.waiting))))
         except (EOFError, OSError):  # the server is gone
             return
 
 
 class GenerationChannel:
-    """Server side of one worker's pipe."""
+    """Server side of one worker's pipe. `progress` is when the worker last answered; while it holds
+    sequences it must answer at least once per deadline (WorkerPool kills it otherwise)."""
 
     def __init__(self, conn, loop: asyncio.AbstractEventLoop):
         self.conn, self.loop = conn, loop
         self.streams: dict[str, asyncio.Queue] = {}
-        self.lock = threading.Lock()
+        self.tokens: dict[str, int] = {}  # prompt tokens of every open sequence, for admission
         self.closed = False
         self.running = self.waiting = 0  # as the worker reported after its last step
+        self.progress = time.monotonic()
+        self._outbox: queue_module.SimpleQueue = queue_module.SimpleQueue()
+        threading.Thread(target=self._write, name="trtserve-generation-writer", daemon=True).start()
         threading.Thread(target=self._read, name="trtserve-generation-reader", daemon=True).start()
 
     def open(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
         seq_id = f"seq-{next(_ids)}"
         queue: asyncio.Queue = asyncio.Queue()
+        if not self.streams:  # the worker was idle: its deadline counts from now
+            self.progress = time.monotonic()
         self.streams[seq_id] = queue
-        self._send(("add", (seq_id, prompt, params.to_dict())))
+        self.tokens[seq_id] = len(prompt)
+        self._outbox.put(("add", (seq_id, prompt, params.to_dict())))
         return seq_id, queue
 
     def close(self, seq_id: str, cancel: bool) -> None:
+        self.tokens.pop(seq_id, None)
         if self.streams.pop(seq_id, None) is not None and cancel:
-            self._send(("cancel", seq_id))
+            self._outbox.put(("cancel", seq_id))
+
+    def queued_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def stalled(self, deadline: float) -> bool:
+        """True when the worker holds sequences and has not answered for `deadline` seconds."""
+        return bool(self.streams) and not self.closed and time.monotonic() - self.progress > deadline
 
     def stop_worker(self) -> None:
-        self._send(("stop", None))
+        self._outbox.put(("stop", None))
 
-    def _send(self, message) -> None:
-        with self.lock:
+    def fail(self, error: str) -> None:
+        """Give up on the worker (hung): every open sequence gets `error`; nothing more is sent."""
+        self.closed = True
+        self._outbox.put(None)
+        self.loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
             try:
                 self.conn.send(message)
             except (OSError, ValueError):
                 self.closed = True  # the reader reports the death to every stream
+                return
 
     def _read(self) -> None:
         while True:
@@ -76,19 +119,30 @@ class GenerationChannel:
                 kind, (events, running, waiting) = self.conn.recv()
             except (EOFError, OSError, TypeError, ValueError):
                 break
-            self.loop.call_soon_threadsafe(self._dispatch, events, running, waiting)
+            self.progress = time.monotonic()
+            try:
+                self.loop.call_soon_threadsafe(self._dispatch, events, running, waiting)
+            except RuntimeError:  # the server's loop is gone (shutdown)
+                break
         self.closed = True
         self.running = self.waiting = 0
-        self.loop.call_soon_threadsafe(self._fail_all)
+        self._outbox.put(None)
+        try:
+            self.loop.call_soon_threadsafe(self._fail_all, "worker_died")
+        except RuntimeError:  # the server's loop is gone (shutdown): nobody is waiting
+            pass
 
     def _dispatch(self, events: list[dict], running: int, waiting: int) -> None:
+        if self.closed:
+            return
         self.running, self.waiting = running, waiting
         for event in events:
             queue = self.streams.get(event["id"])
             if queue is not None:
                 queue.put_nowait(event)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, error: str) -> None:
         for seq_id, queue in list(self.streams.items()):
-            queue.put_nowait({"id": seq_id, "token": -1, "error": "worker_died"})
+            queue.put_nowait({"id": seq_id, "token": -1, "error": error})
         self.streams.clear()
+        self.tokens.clear()

@@ -2,20 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+INT64 = 2**63
+MAX_STOP_CHARS = 256
 
 
-class EmbeddingRequest(BaseModel):
-    # Unknown fields are accepted (and logged by the route), as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="allow")
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer or encoder accepts: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return text
 
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
+
+# Every string a request carries; a bad one is a 400 naming its field.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, lt=INT64)]
+
+
+class _Request(BaseModel):
+    # Unknown fields are accepted (and logged by the route), as OpenAI-compatible servers do;
+    # NaN and Infinity literals are refused wherever a number is expected.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class EmbeddingRequest(_Request):
+    model: Text
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
+    dimensions: int | None = Field(default=None, ge=1, lt=INT64)
+    user: Text | None = None
 
 
 class Embedding(BaseModel):
@@ -60,46 +81,45 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Request):
     """Fields that completions and chat share, with OpenAI's ranges (checked as 400s)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text
+    max_tokens: int | None = Field(default=None, ge=1, lt=INT64)
+    # below 1e-5 a temperature is greedy decoding (as in vLLM): dividing by it would overflow
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # an extension (vLLM's): 0 or -1 is off
+    top_k: int = Field(default=0, ge=-1, lt=INT64)  # an extension (vLLM's): 0 or -1 is off
     ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens tokens whatever comes
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, lt=INT64)
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)  # OpenAI's: a 64-bit integer
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = None
+    stop: StopText | list[StopText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class ContentPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[ContentPart] | None = None
+class ChatMessage(_Request):
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -107,6 +127,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Structured outputs and tools are not served yet: declared so that they are refused, not ignored.
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Text | dict | None = None
 
 
 class CompletionUsage(BaseModel):

@@ -40,7 +40,7 @@ class EmbeddingService:
 
         count, devices, threads, why = placement(cfg.workers, cfg.threads)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
-        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics)
+        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, deadline=cfg.worker_timeout)
         engine_max = manifest["shapes"]["batch"]["max"]
         self.batcher = DynamicBatcher(self.pool.run, min(cfg.max_batch, engine_max), cfg.max_wait_ms, cfg.max_queue,
                                       max_tokens=max(cfg.max_batch_tokens, self.max_seq),
@@ -103,7 +103,7 @@ class EmbeddingService:
         return rows
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        rows = self.rows(request)
+        rows = await asyncio.to_thread(self.rows, request)  # tokenizing a 2 MB body must not stall the loop
         # queued shortest first, so that the batches a long input list is cut into pad less
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         try:

@@ -3,7 +3,7 @@
 The N workers are the sharded decoder's ranks (runtime/sharded.py): each owns its tracks'
 engines and KV cache and all-reduces at segment boundaries. Requests share the completions and
 chat logic of GenerationService; sequences run one at a time (batch 1), each decode step in a
-thread so the event loop keeps serving. The model's compact vocabulary is mapped to and from
+thread so the event loop keeps serving; every call into the ranks has a deadline. The model's compact vocabulary is mapped to and from
 the tokenizer's ids here; its unknown-token id is never generated.
 """
 
@@ -19,12 +19,12 @@ import numpy as np
 
 from trtserve.errors import TrtServeError
 from trtserve.models.parallel_track import compact_lookup
-from trtserve.runtime.sampling import Sampler, SamplingParams
+from trtserve.runtime.sampling import Sampler, SamplingError, SamplingParams
 from trtserve.runtime.sharded import check_track_split
 from trtserve.server.chat import ChatRenderer
 from trtserve.server.config import ServerConfig
-from trtserve.server.generation import GenerationService, Job
-from trtserve.server.errors import Unavailable
+from trtserve.server.errors import Overloaded, Unavailable
+from trtserve.server.generation import GenerationService, Job, Submission
 
 log = logging.getLogger("trtserve.server")
 
@@ -45,17 +45,22 @@ class _Ranks:
 
     def __init__(self, service: TrackGenerationService):
         self.service = service
+        self.workers: list = []  # GenerationService's admission looks here; tracks admit on their own
 
     def status(self) -> list[dict]:
         decoder = self.service.decoder
         if decoder is None:
             return []
-        return [{"index": rank, "pid": pid, "device": None, "ready": proc.is_alive(),
-                 "outstanding": int(self.service.busy), "restarts": 0}
+        return [{"index": rank, "pid": pid, "device": None, "ready": proc.is_alive() and not self.service.stuck(),
+                 "outstanding": self.service.pending, "restarts": self.service.restarts}
                 for rank, (pid, proc) in enumerate(zip(decoder.pids, decoder.procs))]
 
 
 class TrackGenerationService(GenerationService):
+    """Sequences one at a time (an asyncio lock) behind a bounded wait (--max-queue, 429 beyond);
+    every call into the ranks has the --worker-timeout deadline; ranks that fail or miss it are
+    closed and started afresh (with backoff), and /health is 503 until they are back."""
+
     def __init__(self, cfg: ServerConfig, metrics=None):
         from trtserve.engine_builder.artifact import open_engine_dir
         from trtserve.runtime.text import load_tokenizer
@@ -78,51 +83,111 @@ class TrackGenerationService(GenerationService):
         self.pool = _Ranks(self)
         self.lock = asyncio.Lock()
         self.busy = False
+        self.pending = 0  # sequences admitted and not finished (one runs, the rest wait for the lock)
+        self.progress = time.monotonic()  # the ranks' last answer while busy
+        self.restarts = 0
         self.last_ok = 0.0
+        self._restarting: asyncio.Task | None = None
         log.info("tracks: %d engine tracks over %d worker process(es), %d all-reduce(s) per forward",
                  pt["tracks"], self.tracks, pt["sync"]["per_forward"])
 
-    async def start(self) -> None:
+    def _start_decoder(self):
         from trtserve.runtime.sharded import ShardedDecoder
 
-        threads = self.cfg.threads or 1
-        self.decoder = await asyncio.to_thread(ShardedDecoder, self.engine.path, self.tracks, "pt", threads)
+        return ShardedDecoder(self.engine.path, self.tracks, "pt", self.cfg.threads or 1,
+                              timeout=self.cfg.worker_timeout)
+
+    async def start(self) -> None:
+        self.decoder = await asyncio.to_thread(self._start_decoder)
         if self.metrics is not None:
             self.metrics.running_seqs.set_function(lambda: int(self.busy))
-            self.metrics.waiting_seqs.set_function(lambda: 0)
+            self.metrics.waiting_seqs.set_function(lambda: max(self.pending - int(self.busy), 0))
         await self.probe()
 
     async def stop(self) -> None:
+        if self._restarting is not None:
+            self._restarting.cancel()
         if self.decoder is not None:
             await asyncio.to_thread(self.decoder.close)
 
     async def probe(self) -> None:
         job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
-        async for _ in self.stream(job):
-            pass
+        if self.alive():
+            async for _ in self.stream(job):
+                pass
+
+    def alive(self) -> bool:
+        return self.decoder is not None and self._restarting is None and all(p.is_alive() for p in self.decoder.procs)
+
+    def stuck(self) -> bool:
+        """Busy, and the ranks have not answered within the deadline."""
+        return self.busy and time.monotonic() - self.progress > self.cfg.worker_timeout
 
     def healthy(self, within: float) -> bool:
-        alive = self.decoder is not None and all(p.is_alive() for p in self.decoder.procs)
-        return alive and (self.busy or time.monotonic() - self.last_ok < within)
+        return self.alive() and not self.stuck() and (self.busy or time.monotonic() - self.last_ok < within)
+
+    def submit(self, jobs: list[Job]) -> Submission:
+        if not self.alive():
+            raise Unavailable("the track workers are restarting; retry shortly")
+        if self.pending + len(jobs) > self.cfg.max_queue + 1:
+            raise Overloaded(f"{self.pending} sequences are running or waiting (one at a time, at most "
+                             f"{self.cfg.max_queue} waiting, --max-queue); retry shortly")
+        return Submission([self.stream(job) for job in jobs])
 
     async def stream(self, job: Job, worker=None):
-        if self.decoder is None or not all(p.is_alive() for p in self.decoder.procs):
-            raise Unavailable("the track workers are not running; restart the server")
-        async with self.lock:  # one sequence at a time
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue = asyncio.Queue()
-            cancel = threading.Event()
-            self.busy = True
-            thread = threading.Thread(target=self._generate, args=(job, loop, events, cancel), daemon=True)
-            thread.start()
-            state = {"done": False}
-            try:
-                async for piece in self.pieces(job, events.get, 0, state):
+        self.pending += 1
+        try:
+            async with self.lock:  # one sequence at a time
+                if not self.alive():
+                    raise Unavailable("the track workers are restarting; retry shortly")
+                async for piece in self._run(job):
                     yield piece
-            finally:
-                cancel.set()
-                await asyncio.to_thread(thread.join)
-                self.busy = False
+        finally:
+            self.pending -= 1
+
+    async def _run(self, job: Job):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        self.busy, self.progress = True, time.monotonic()
+        thread = threading.Thread(target=self._generate, args=(job, loop, events, cancel), daemon=True)
+        thread.start()
+        state = {"done": False}
+        try:
+            async for piece in self.pieces(job, events.get, 0, state):
+                yield piece
+        finally:
+            cancel.set()
+            # every rank call has the deadline, so the thread ends within it (and a close of the ranks)
+            await asyncio.to_thread(thread.join, self.cfg.worker_timeout + 30)
+            self.busy = False
+
+    def _failed(self, error: str) -> None:
+        """On the event loop: the ranks failed or missed their deadline; start them afresh."""
+        if self._restarting is None:
+            log.error("track workers failed (%s); restarting them", error)
+            self._restarting = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        from trtserve.server.workers import RESTART_BACKOFF
+
+        old, attempt = self.decoder, 0
+        if old is not None:
+            await asyncio.to_thread(old.close)
+        while True:
+            try:
+                self.decoder = await asyncio.to_thread(self._start_decoder)
+                break
+            except Exception as exc:  # noqa: BLE001 - keep trying, as for worker processes
+                wait = RESTART_BACKOFF[min(attempt, len(RESTART_BACKOFF) - 1)]
+                log.error("track workers failed to start (%s); next try in %g s", exc, wait)
+                attempt += 1
+                await asyncio.sleep(wait)
+        self.restarts += 1
+        if self.metrics is not None:
+            self.metrics.worker_restarts.inc()
+        self._restarting = None
+        log.info("track workers restarted: pids %s", self.decoder.pids)
 
     def _generate(self, job: Job, loop, events: asyncio.Queue, cancel: threading.Event) -> None:
         """The decode loop, on a thread: events go to the request's queue."""
@@ -131,9 +196,11 @@ class TrackGenerationService(GenerationService):
                                                           "top_logprobs": None, **event})
 
         params = job.params
-        sampler = Sampler(params, len(self.to_tokenizer))
+        decoder = self.decoder
         try:
-            step = self.decoder.prefill(self.to_compact[np.array(job.prompt)][None])
+            sampler = Sampler(params, len(self.to_tokenizer))
+            step = decoder.prefill(self.to_compact[np.array(job.prompt)][None])
+            self.progress = time.monotonic()
             for generated in range(1, params.max_tokens + 1):
                 logits = step.logits[0].astype(np.float32)
                 logits[0] = -np.inf  # the unknown id is not a token
@@ -146,10 +213,14 @@ class TrackGenerationService(GenerationService):
                      finish="length" if at_limit else None)
                 if at_limit or cancel.is_set():
                     break
-                step = self.decoder.decode(np.array([[token]]))
+                step = decoder.decode(np.array([[token]]))
+                self.progress = time.monotonic()
             self.last_ok = time.monotonic()
-        except Exception as exc:  # a worker failed: this sequence gets an error event
+        except SamplingError as exc:  # this sequence cannot go on; the ranks are fine
             emit(error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a rank failed or missed its deadline: the ranks are started afresh
+            emit(error="worker_died" if isinstance(exc, TrtServeError) else f"{type(exc).__name__}: {exc}")
+            loop.call_soon_threadsafe(self._failed, str(exc))
 
     def _map_top(self, top):
         return None if top is None else [(int(self.to_tokenizer[t]), lp) for t, lp in top if t]

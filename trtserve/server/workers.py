@@ -1,7 +1,11 @@
 """Workers that own a backend each: processes (one per GPU, pinned with CUDA_VISIBLE_DEVICES, or N on
 the CPU) or, with --workers 0, the server process itself. Batches go to the ready worker with the
 least outstanding rows; a supervisor restarts a worker process that dies, and the batches it held
-fail with 503 instead of hanging."""
+fail with 503 instead of hanging.
+
+Every call into a worker has a deadline (--worker-timeout): a worker process that misses it (hung,
+SIGSTOPped, deadlocked) is killed and restarted like one that died. An in-process worker cannot be
+killed: its callers get 503 at the deadline and its generation loop is started afresh."""
 
 from __future__ import annotations
 
@@ -68,10 +72,12 @@ class Worker:
     """One backend owner. Calls run one at a time on its own thread, so one batch is in flight."""
 
     def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool,
-                 generation: dict | None = None):
+                 generation: dict | None = None, deadline: float = 120.0):
         self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
         self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
+        self.deadline = deadline  # seconds one call (or one generation step) may take
         self.channel = None  # GenerationChannel of a decoder worker
+        self.thread: threading.Thread | None = None  # the generation loop of an in-process decoder worker
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trtserve-worker-{index}")
         self.outstanding = 0  # rows sent and not yet answered
@@ -89,15 +95,10 @@ class Worker:
     def load(self) -> None:
         """Start the process (or load in this one) and wait until the engine is loaded. Blocking."""
         if self.inline:
-            self.text = _load(self.engine_dir, self.threads)
-            if self.generation is not None:  # the batcher on a thread of this process, over a local pipe
-                from trtserve.server.generation_worker import generation_loop
-
-                parent, child = multiprocessing.Pipe()
-                threading.Thread(target=generation_loop, args=(child, self.text), kwargs=self.generation,
-                                 name="trtserve-generation", daemon=True).start()
-                self.conn = parent
-                self._open_channel()
+            if self.text is None:
+                self.text = _load(self.engine_dir, self.threads)
+            if self.generation is not None:
+                self.start_loop()
             self.ready = True
             return
         if self.conn is not None:  # the pipe of a process that died
@@ -127,6 +128,17 @@ class Worker:
             self._open_channel()
         self.ready = True
 
+    def start_loop(self) -> None:
+        """In-process decoder worker: the batcher on a thread of this process, over a local pipe."""
+        from trtserve.server.generation_worker import generation_loop
+
+        parent, child = multiprocessing.Pipe()
+        self.thread = threading.Thread(target=generation_loop, args=(child, self.text), kwargs=self.generation,
+                                       name="trtserve-generation", daemon=True)
+        self.thread.start()
+        self.conn = parent
+        self._open_channel()
+
     def _open_channel(self) -> None:
         from trtserve.server.generation_worker import GenerationChannel
 
@@ -146,6 +158,10 @@ class Worker:
             raise Unavailable(f"worker {self.index} is restarting; retry the request")
         try:
             conn.send(("embed", rows))
+            if not conn.poll(self.deadline):
+                self.kill(f"it did not answer a batch within {self.deadline:g} s (--worker-timeout)")
+                raise Unavailable(f"worker {self.index} did not answer within {self.deadline:g} s and is being "
+                                  "restarted; retry the request")
             status, value = conn.recv()
         except (EOFError, OSError):
             raise Unavailable(f"worker {self.index} stopped while running this request; retry it") from None
@@ -154,7 +170,20 @@ class Worker:
         return value
 
     def died(self) -> bool:
+        if self.inline:
+            return self.ready and self.thread is not None and not self.thread.is_alive()
         return self.ready and self.proc is not None and not self.proc.is_alive()
+
+    def stalled(self) -> bool:
+        """A decoder worker that holds sequences and has not answered within its deadline."""
+        return self.ready and self.channel is not None and self.channel.stalled(self.deadline)
+
+    def kill(self, why: str) -> None:
+        """Give up on a hung worker process: SIGKILL (which also ends a SIGSTOPped one); the
+        supervisor then restarts it as it would one that died."""
+        if self.proc is not None and self.proc.is_alive():
+            log.error("worker %d (pid %d): %s; killing it", self.index, self.proc.pid, why)
+            self.proc.kill()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Blocking: ask the process to exit, kill it if it does not."""
@@ -167,10 +196,11 @@ class Worker:
             return
         if self.proc is None:
             return
-        try:
-            self.conn.send(("stop", None))
-        except (OSError, ValueError):
-            pass
+        if self.channel is None:  # a decoder worker's pipe is written by its channel's thread only
+            try:
+                self.conn.send(("stop", None))
+            except (OSError, ValueError):
+                pass
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
@@ -180,10 +210,11 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None,
-                 generation: dict | None = None):
+                 generation: dict | None = None, deadline: float = 120.0):
         inline = workers == 0
         count = max(workers, 1)
-        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation)
+        self.deadline = deadline
+        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation, deadline)
                         for i in range(count)]
         self.metrics = metrics
         self._supervisor: asyncio.Task | None = None
@@ -221,8 +252,15 @@ class WorkerPool:
     async def run(self, rows: list[list[int]], worker: Worker | None = None):
         worker = worker or self.pick()
         worker.outstanding += len(rows)
+        call = asyncio.get_running_loop().run_in_executor(worker.executor, worker.call, rows)
         try:
-            return await asyncio.get_running_loop().run_in_executor(worker.executor, worker.call, rows)
+            if not worker.inline:  # a worker process enforces the deadline itself, and is killed if it misses it
+                return await call
+            try:
+                return await asyncio.wait_for(call, self.deadline)
+            except asyncio.TimeoutError:
+                raise Unavailable(f"the in-process worker did not answer within {self.deadline:g} s "
+                                  "(--worker-timeout); retry the request") from None
         finally:
             worker.outstanding -= len(rows)
 
@@ -247,14 +285,42 @@ class WorkerPool:
         while True:
             await asyncio.sleep(0.2)
             for w in self.workers:
-                if w.died():
-                    w.ready = False
-                    log.error("worker %d (pid %d) died with exit code %s; restarting it",
-                              w.index, w.proc.pid, w.proc.exitcode)
-                    self._gauge()
-                    task = asyncio.get_running_loop().create_task(self._restart(w))
-                    self._restarting.add(task)
-                    task.add_done_callback(self._restarting.discard)
+                try:
+                    self._check(w)
+                except Exception:  # noqa: BLE001 - the supervisor itself must never stop
+                    log.exception("supervising worker %d failed", w.index)
+
+    def _check(self, w: Worker) -> None:
+        if w.stalled():
+            why = f"it held sequences and made no progress for {w.deadline:g} s (--worker-timeout)"
+            if w.inline:  # a thread cannot be killed: its sequences fail and a fresh loop takes over
+                log.error("in-process generation loop: %s; starting a new one", why)
+                w.channel.fail("worker_hung")
+                w.start_loop()
+                w.restarts += 1
+                self._count_restart()
+            else:
+                w.channel.fail("worker_hung")
+                w.kill(why)  # died() sees it next round
+        if w.died():
+            w.ready = False
+            if w.inline:
+                log.error("the in-process generation loop stopped; starting a new one")
+                w.channel.fail("worker_died")
+                w.start_loop()
+                w.ready = True
+                w.restarts += 1
+                self._count_restart()
+                return
+            log.error("worker %d (pid %d) died with exit code %s; restarting it", w.index, w.proc.pid, w.proc.exitcode)
+            self._gauge()
+            task = asyncio.get_running_loop().create_task(self._restart(w))
+            self._restarting.add(task)
+            task.add_done_callback(self._restarting.discard)
+
+    def _count_restart(self) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_restarts.inc()
 
     async def _restart(self, w: Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -268,8 +334,7 @@ class WorkerPool:
                 log.error("worker %d failed to restart (%s); next try in %g s", w.index, exc, wait)
                 await asyncio.sleep(wait)
         w.restarts += 1
-        if self.metrics is not None:
-            self.metrics.worker_restarts.inc()
+        self._count_restart()
         self._gauge()
         log.info("worker %d restarted as pid %d", w.index, w.pid)
 

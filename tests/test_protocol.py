@@ -1,0 +1,61 @@
+"""Request validation at the HTTP boundary (no server needed): every field's range, NaN/Infinity
+literals, invalid Unicode, stop strings, unserved features."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+
+BASE = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 2**63), ("seed", -(2**63) - 1), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0),
+    ("top_k", -2), ("n", 0), ("max_tokens", 0), ("max_tokens", 2**64), ("logprobs", 21),
+    ("presence_penalty", 3), ("stop", ""), ("stop", ["x" * 257]), ("prompt", [[-1]]), ("prompt", [2**63]),
+    ("prompt", {"text": "hi"}), ("stream", "sometimes"), ("stream_options", 5),
+])
+def test_out_of_range_and_wrong_type_fields_are_refused(field, value):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({**BASE, field: value})
+    assert info.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_literals_are_refused(literal):
+    with pytest.raises(ValidationError, match="finite number"):
+        CompletionRequest.model_validate(json.loads(f'{{"model": "m", "prompt": "hi", "temperature": {literal}}}'))
+
+
+def test_lone_surrogates_are_refused_naming_the_field():
+    bad = json.loads('"a\\ud800b"')
+    cases = [(CompletionRequest, {**BASE, "prompt": bad}), (CompletionRequest, {**BASE, "stop": [bad]}),
+             (EmbeddingRequest, {"model": "m", "input": [bad]}),
+             (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": bad}]}),
+             (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [
+                 {"type": "text", "text": bad}]}]})]
+    for model, body in cases:
+        with pytest.raises(ValidationError, match="not valid Unicode|unable to parse raw data as a unicode string"):
+            model.model_validate(body)
+
+
+def test_extreme_but_valid_values_pass():
+    request = CompletionRequest.model_validate({**BASE, "seed": -(2**63), "temperature": 0.0, "top_k": 10**12,
+                                                "stop": ["x" * 256], "unknown_field": {"deep": [1]}})
+    assert request.seed == -(2**63) and request.model_extra == {"unknown_field": {"deep": [1]}}
+
+
+def test_union_errors_name_the_deepest_field_and_what_was_expected():
+    from trtserve.server.app import _explain
+
+    def explain(body):
+        with pytest.raises(ValidationError) as info:
+            CompletionRequest.model_validate({"model": "m", **body})
+        return _explain(info.value.errors())
+
+    assert explain({"prompt": [[1, -1]]}) == ("prompt.0.1", "Input should be greater than or equal to 0")
+    where, message = explain({"prompt": {"a": 1}})
+    assert where == "prompt" and "valid string" in message and "valid list" in message
+    assert explain({"prompt": json.loads('"a\\ud800"')})[1].endswith("(a lone surrogate at character 1)")
