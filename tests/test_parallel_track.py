@@ -3,6 +3,9 @@ Llama, and sharded execution (PT and tensor-parallel) against the single-process
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -279,3 +282,46 @@ def test_sharded_pt_on_gpus_with_nccl_equals_reference(tmp_path):
     expected, tokens = reference_steps(tmp_path / "pt", prompt, 8)
     steps = sharded_steps(tmp_path / "pt", "pt", 2, prompt, tokens)
     assert max(np.abs(s.logits - e).max() for s, e in zip(steps, expected)) <= 1e-3  # TF32/cuBLAS tolerance
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "sigkill"])
+def test_a_stuck_or_dead_rank_ends_the_stream_within_the_deadline_and_the_ranks_restart(track_engine, fault):
+    import json
+    import time
+
+    import httpx
+
+    from tests.server_process import start_server, stop_server
+    from trtserve.engine_builder.artifact import open_engine_dir
+
+    context = open_engine_dir(track_engine).manifest["model"]["architecture"]["max_positions"]
+    proc, url = start_server(track_engine, "--tracks", "2", "--worker-timeout", "3")
+    try:
+        ranks = [w["pid"] for w in httpx_get(f"{url}/health")["workers"]]
+        model_id = httpx_get(f"{url}/v1/models")["data"][0]["id"]
+        body = {"model": model_id, "prompt": "The city", "max_tokens": context - 8, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        os.kill(ranks[1], fault)
+                        hit = time.monotonic()
+        assert time.monotonic() - hit < 3 + 10
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "service_unavailable"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{url}/health", timeout=5)
+            if health.status_code == 200 and ranks[1] not in [w["pid"] for w in health.json()["workers"]]:
+                break
+            time.sleep(0.3)
+        assert health.status_code == 200 and health.json()["workers"][0]["restarts"] == 1
+        again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(ProcessLookupError):
+            os.kill(ranks[1], 0)
+    finally:
+        stop_server(proc)

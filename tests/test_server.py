@@ -84,6 +84,12 @@ def test_openai_errors(client, server):
         ({"content": b"model=x", "headers": {"content-type": "text/plain"}}, 400, ""),
         ({"json": {"model": "all-MiniLM-L6-v2", "input": [1.5]}}, 400, "input"),
         ({"json": {"model": "all-MiniLM-L6-v2", "input": "x" * (3 << 20)}}, 413, "the limit is"),
+        ({"content": b'{"model": "all-MiniLM-L6-v2", "input": ["ok", "a\\ud800"]}',
+          "headers": {"content-type": "application/json"}}, 400, "input.1: Value error, is not valid Unicode"),
+        ({"content": b'{"model": "all-MiniLM-L6-v2", "input": "\xff\xfe"}',
+          "headers": {"content-type": "application/json"}}, 400, ""),
+        ({"content": b'{"model": "all-MiniLM-L6-v2", "input": "hi", "dimensions": Infinity}',
+          "headers": {"content-type": "application/json"}}, 400, "dimensions"),
     ],
 )
 def test_malformed_requests_get_openai_shaped_errors(server, kwargs, status, message):

@@ -205,7 +205,7 @@ class GenerationService:
         return self._open(jobs, min(room, key=lambda w: w.load_now))
 
     def _open(self, jobs: list[Job], worker) -> Submission:
-        opened = [(job, *worker.channel.open(job.prompt, job.params)) for job in jobs]
+        opened = [(job, *ids) for job, ids in zip(jobs, worker.channel.open([(j.prompt, j.params) for j in jobs]))]
         states = [{"done": False} for _ in jobs]
 
         def close():

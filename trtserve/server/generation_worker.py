@@ -23,7 +23,8 @@ _ids = itertools.count()
 
 
 def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> None:
-    """Worker side: serve ("add", (id, prompt ids, params dict)), ("cancel", id), ("stop", None)."""
+    """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
+    which join the waiting queue together), ("cancel", id), ("stop", None)."""
     from trtserve.runtime.batching import ContinuousBatcher
 
     def fresh():
@@ -40,11 +41,11 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> N
                 if op == "stop":
                     return
                 if op == "add":
-                    seq_id, prompt, params = payload
-                    try:
-                        batcher.add(seq_id, prompt, SamplingParams(**params))
-                    except Exception as exc:  # noqa: BLE001 - this sequence fails, the loop goes on
-                        failed.append({"id": seq_id, "token": -1, "error": f"{type(exc).__name__}: {exc}"})
+                    for seq_id, prompt, params in payload:
+                        try:
+                            batcher.add(seq_id, prompt, SamplingParams(**params))
+                        except Exception as exc:  # noqa: BLE001 - this sequence fails, the loop goes on
+                            failed.append({"id": seq_id, "token": -1, "error": f"{type(exc).__name__}: {exc}"})
                 elif op == "cancel":
                     batcher.cancel(payload)
             try:
@@ -74,15 +75,19 @@ class GenerationChannel:
         threading.Thread(target=self._write, name="trtserve-generation-writer", daemon=True).start()
         threading.Thread(target=self._read, name="trtserve-generation-reader", daemon=True).start()
 
-    def open(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        seq_id = f"seq-{next(_ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
+    def open(self, sequences: list[tuple[list[int], SamplingParams]]) -> list[tuple[str, asyncio.Queue]]:
+        """Send (prompt ids, params) sequences to the worker in one message; (id, event queue) of each."""
         if not self.streams:  # the worker was idle: its deadline counts from now
             self.progress = time.monotonic()
-        self.streams[seq_id] = queue
-        self.tokens[seq_id] = len(prompt)
-        self._outbox.put(("add", (seq_id, prompt, params.to_dict())))
-        return seq_id, queue
+        opened, message = [], []
+        for prompt, params in sequences:
+            seq_id = f"seq-{next(_ids)}"
+            queue: asyncio.Queue = asyncio.Queue()
+            self.streams[seq_id], self.tokens[seq_id] = queue, len(prompt)
+            opened.append((seq_id, queue))
+            message.append((seq_id, prompt, params.to_dict()))
+        self._outbox.put(("add", message))
+        return opened
 
     def close(self, seq_id: str, cancel: bool) -> None:
         self.tokens.pop(seq_id, None)
