@@ -111,7 +111,7 @@ def bench_smollm2(engine_dir: Path, seconds: float) -> list[tuple]:
     state = generate.start(ours, 1)
     generate.step(ours, state, prompt, mask)
     feeds = {"input_ids": next_id, "attention_mask": np.ones((1, 129), np.int64),
-             "position_ids": np.array([[128]], np.int64), **state.past}
+             "position_ids": np.array([[128]], np.int64), **generate.logit_feed(ours, 1, True), **state.past}
     rows.append(("SmolLM2 decode 1 token at past 128", timed(hf_decode, seconds),
                  timed(lambda: ours.infer(feeds), seconds)))
     return rows

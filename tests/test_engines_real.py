@@ -50,7 +50,9 @@ def test_manifest_records_what_built_it(engines):
     assert m["shapes"]["batch"]["max"] == 32 and m["shapes"]["sequence"]["max"] == 2048
     assert m["shapes"]["past_sequence"] == {"min": 0, "opt": 128, "max": 2047}
     names = [spec["name"] for spec in m["io"]["inputs"]]
-    assert names[:3] == ["input_ids", "attention_mask", "position_ids"] and len(names) == 3 + 2 * 30
+    assert names[:4] == ["input_ids", "attention_mask", "position_ids", "logit_positions"] and len(names) == 4 + 2 * 30
+    assert m["io"]["outputs"][0]["shape"] == ["batch", "logit_positions", 49152]  # the LM head on K positions only
+    assert m["shapes"]["logit_positions"] == {"min": 1, "opt": 1, "max": 2048}
     assert m["io"]["outputs"][1]["shape"] == ["batch", 3, "past_sequence + sequence", 64]
     assert {"model.onnx", "model.ort.onnx", "tokenizer.json", "config.json"} <= set(m["files"])
     assert m["versions"]["onnxruntime"] and m["backend"]["name"] == "onnxruntime"

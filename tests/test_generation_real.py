@@ -209,3 +209,43 @@ def test_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_recove
         assert again.status_code == 200 and restarted()
     finally:
         stop_server(proc)
+
+
+def test_prefill_of_the_last_position_equals_that_row_of_every_position(smollm2):
+    from trtserve.runtime import generate, load_backend
+    from trtserve.runtime.text import TextEngine
+
+    backend = load_backend(smollm2)
+    text = TextEngine(backend)
+    ids = np.array(text.tokenize(["The capital of France is Paris, and the capital of Italy is"],
+                                 add_special_tokens=False), np.int64)
+    every = generate.step(backend, generate.start(backend, 1), ids)
+    last = generate.step(backend, generate.start(backend, 1), ids, last_only=True)
+    assert every.shape[1] == ids.shape[1] and last.shape[1] == 1
+    np.testing.assert_allclose(last[0, 0], every[0, -1], atol=1e-4)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hugging_face_does(client):
+    import torch
+
+    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.sources import resolve
+
+    prompt = "The capital of France is Paris."
+    source = resolve(MODEL)
+    tokenizer = load_tokenizer(source.path)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        logits = load_torch_model(source, attention="eager")(input_ids=ids).logits[0]
+    expected = torch.log_softmax(logits[:-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0].numpy()
+    # lm-evaluation-harness's loglikelihood request (its local-completions backend)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text.startswith(prompt) and len(lp.tokens) == ids.shape[1] + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    np.testing.assert_allclose(lp.token_logprobs[1:ids.shape[1]], expected, atol=2e-3)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == lp.tokens[:ids.shape[1]]

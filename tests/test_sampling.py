@@ -102,3 +102,13 @@ def test_penalties_count_tokens_only_when_asked():
     assert plain.counts is None  # no vocabulary-sized array per waiting sequence
     penalised = Sampler(SamplingParams(temperature=0, frequency_penalty=2.0), 4)
     assert [penalised.choose(LOGITS)[0] for _ in range(2)] == [0, 1]
+
+
+def test_prompt_logprobs_score_each_token_by_the_position_before_it():
+    from trtserve.runtime.sampling import prompt_logprobs
+
+    logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]], dtype=np.float32))
+    rows = prompt_logprobs([2, 0, 2], logits, top=1)
+    assert rows[0] == (2, None, None)  # the first token has nothing before it
+    assert rows[1][0] == 0 and np.isclose(rows[1][1], np.log(0.5)) and rows[1][2][0][0] == 0
+    assert rows[2][0] == 2 and np.isclose(rows[2][1], np.log(0.8)) and rows[2][2] == [(2, rows[2][1])]

@@ -35,7 +35,7 @@ def test_real_plans_keep_the_policy_layer_by_layer(model, precision, engines, hy
     assert entry["plan_sha256"] == sha256_file(tmp_path / "plan" / "model.plan")
     assert entry["flavour"] == "tensorrt_rtx" and entry["strongly_typed"]
     names = [p["name"] for p in entry["profiles"]]
-    assert names == (["all"] if model == "minilm" else ["prefill", "decode"])
+    assert names == (["all"] if model == "minilm" else ["prefill", "decode", "prompt_logprobs"])
     first = entry["profiles"][0]["inputs"]["input_ids"]
     assert first["max"] == [manifest["shapes"]["batch"]["max"], manifest["shapes"]["sequence"]["max"]]
     check = entry["layer_precision"]

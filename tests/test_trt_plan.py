@@ -15,20 +15,24 @@ DECODER = {
     "model": {"kind": "decoder"},
     "shapes": {"batch": {"min": 1, "opt": 1, "max": 8}, "sequence": {"min": 1, "opt": 128, "max": 2048},
                "past_sequence": {"min": 0, "opt": 128, "max": 2047},
-               "total_sequence": {"min": 1, "opt": 128, "max": 2048}},
+               "total_sequence": {"min": 1, "opt": 128, "max": 2048},
+               "logit_positions": {"min": 1, "opt": 1, "max": 2048}},
     "io": {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
                       {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "total_sequence"]},
+                      {"name": "logit_positions", "dtype": "int64", "shape": ["logit_positions"]},
                       {"name": "past_key_values.0.key", "dtype": "float32", "shape": ["batch", 3, "past_sequence", 64]}],
-           "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "sequence", 49152]},
+           "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "logit_positions", 49152]},
                        {"name": "present.0.key", "dtype": "float32", "shape": ["batch", 3, "total_sequence", 64]}]},
 }
 ENTRY = {"flavour": "tensorrt", "version": "11.0.0", "compute_capability": "sm90", "version_compatible": False}
 H200 = [{"index": 0, "name": "NVIDIA H200", "compute_capability": "9.0"}]
 
 
-def test_decoder_profiles_cover_prefill_and_decode():
-    prefill, decode = profiles_for(DECODER)
-    assert (prefill["name"], decode["name"]) == ("prefill", "decode")
+def test_decoder_profiles_cover_prefill_decode_and_prompt_logprobs():
+    prefill, decode, scored = profiles_for(DECODER)
+    assert (prefill["name"], decode["name"], scored["name"]) == ("prefill", "decode", "prompt_logprobs")
+    assert prefill["inputs"]["logit_positions"]["max"] == decode["inputs"]["logit_positions"]["max"] == [1]
+    assert scored["inputs"]["logit_positions"]["max"] == [2048] and scored["inputs"]["input_ids"]["max"] == [4, 2048]
     assert prefill["inputs"]["input_ids"] == {"min": [1, 1], "opt": [1, 128], "max": [8, 2048]}
     assert prefill["inputs"]["past_key_values.0.key"]["opt"] == [1, 3, 0, 64]  # fixed axes stay as they are
     assert decode["inputs"]["input_ids"] == {"min": [1, 1], "opt": [1, 1], "max": [8, 1]}
@@ -38,6 +42,8 @@ def test_decoder_profiles_cover_prefill_and_decode():
 def test_profile_selection():
     profiles = profiles_for(DECODER)
     assert select_profile(profiles, {"batch": 2, "sequence": 300, "past_sequence": 0, "total_sequence": 300}) == 0
+    every = {"batch": 1, "sequence": 300, "past_sequence": 0, "total_sequence": 300, "logit_positions": 300}
+    assert select_profile(profiles, every) == 2  # the prompt's logprobs: every position's logits
     assert select_profile(profiles, {"batch": 2, "sequence": 1, "past_sequence": 300, "total_sequence": 301}) == 1
     assert select_profile(profiles, {"batch": 1, "sequence": 1, "past_sequence": 0, "total_sequence": 1}) == 0
     with pytest.raises(InputError, match="no optimization profile"):
@@ -46,7 +52,7 @@ def test_profile_selection():
 
 def test_buffers_hold_the_largest_shape_of_any_profile():
     plan = buffer_plan(DECODER["io"], profiles_for(DECODER))
-    assert plan["logits"] == ("float32", 8 * 2048 * 49152)
+    assert plan["logits"] == ("float32", 4 * 2048 * 49152)  # not 8 rows x 2048 positions: prefill keeps the last
     assert plan["present.0.key"] == ("float32", 8 * 3 * 2048 * 64)
     assert plan["past_key_values.0.key"] == ("float32", 8 * 3 * 2047 * 64)
     assert buffer_bytes(plan) == sum({"int64": 8, "float32": 4}[d] * n for d, n in plan.values())

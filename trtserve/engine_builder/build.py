@@ -19,7 +19,7 @@ from trtserve.precision.policy import POLICIES, get_policy
 from trtserve.progress import say, step
 
 ONNX_FILE = "model.onnx"
-EXPORT_FORMAT = 1  # bump when the exported graph contract changes: invalidates the ONNX cache
+EXPORT_FORMAT = 2  # bump when the exported graph contract changes: invalidates the ONNX cache
 DEFAULT_MAX_SEQ = 2048
 OPT_SEQ = 128
 
@@ -238,6 +238,7 @@ def _shape_ranges(source: ModelSource, max_batch: int, max_seq: int) -> dict:
     if source.info.kind == "decoder":
         ranges["past_sequence"] = {"min": 0, "opt": min(OPT_SEQ, max_seq - 1), "max": max_seq - 1}
         ranges["total_sequence"] = {"min": 1, "opt": opt_seq, "max": max_seq}
+        ranges["logit_positions"] = {"min": 1, "opt": 1, "max": max_seq}
     return ranges
 
 

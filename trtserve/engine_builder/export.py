@@ -17,7 +17,8 @@ from trtserve.models.wrappers import (
 
 OPSET = 20
 # Symbolic dims get readable names in the exported graph (the exporter names them s0, s1, ...).
-DIM_NAMES = {"input_ids": ("batch", "sequence"), "attention_mask": ("batch", "total_sequence")}
+DIM_NAMES = {"input_ids": ("batch", "sequence"), "attention_mask": ("batch", "total_sequence"),
+             "logit_positions": ("logit_positions",)}
 
 
 def uses_token_types(source: ModelSource) -> bool:
@@ -74,6 +75,7 @@ def _decoder_spec(source: ModelSource, model):
         torch.randint(0, 100, (batch, seq)),
         torch.ones(batch, past + seq, dtype=torch.int64),
         torch.arange(past, past + seq)[None].repeat(batch, 1),
+        torch.tensor([0, seq - 1]),  # two positions, so that nothing specialises on one
     ]
     args += [torch.zeros(batch, info.num_kv_heads, past, info.head_dim) for _ in range(2 * info.num_layers)]
     auto = {0: Dim.AUTO, 1: Dim.AUTO}
@@ -81,6 +83,7 @@ def _decoder_spec(source: ModelSource, model):
         "input_ids": auto,
         "attention_mask": auto,
         "position_ids": auto,
+        "logit_positions": {0: Dim.AUTO},
         # varargs count as one argument: the per-layer shapes are nested in one tuple
         "past": tuple({0: Dim.AUTO, 2: Dim.AUTO} for _ in range(2 * info.num_layers)),
     }

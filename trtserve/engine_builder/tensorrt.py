@@ -28,23 +28,34 @@ class TrtOptions:
     compute_capabilities: tuple[str, ...] = field(default=())  # TensorRT-RTX targets, e.g. ("8.6",); () = portable
 
 
+PROMPT_LOGPROBS_BATCH = 4  # rows of the profile that returns every position's logits
+
+
 def profiles_for(manifest: dict) -> list[dict]:
     """Optimization profiles from the manifest's shape ranges: one for encoders; for decoders one
-    for prefill (past 0 at opt) and one for single-token decode over a growing past."""
+    for prefill (past 0 at opt) and one for single-token decode over a growing past, both with the
+    logits of one position per row; and, for the prompt's logprobs, one whose rows (at most
+    PROMPT_LOGPROBS_BATCH) return every position, so that the logits buffer is sized for that
+    batch, not for the largest batch times the longest prompt."""
     shapes = manifest["shapes"]
     if manifest["model"]["kind"] == "encoder":
         plans = [("all", {"batch": shapes["batch"], "sequence": shapes["sequence"]})]
     else:
         seq, past, total = shapes["sequence"], shapes["past_sequence"], shapes["total_sequence"]
+        one = {"logit_positions": {"min": 1, "opt": 1, "max": 1}} if "logit_positions" in shapes else {}
+        prefill = {"batch": shapes["batch"], "sequence": seq, "past_sequence": {"min": 0, "opt": 0, "max": past["max"]},
+                   "total_sequence": {"min": 1, "opt": seq["opt"], "max": total["max"]}}
         plans = [
-            ("prefill", {"batch": shapes["batch"], "sequence": seq,
-                         "past_sequence": {"min": 0, "opt": 0, "max": past["max"]},
-                         "total_sequence": {"min": 1, "opt": seq["opt"], "max": total["max"]}}),
+            ("prefill", {**prefill, **one}),
             ("decode", {"batch": shapes["batch"], "sequence": {"min": 1, "opt": 1, "max": 1},
                         "past_sequence": {"min": 0, "opt": past["opt"], "max": past["max"]},
                         "total_sequence": {"min": 1, "opt": min(past["opt"] + 1, total["max"]),
-                                           "max": total["max"]}}),
+                                           "max": total["max"]}, **one}),
         ]
+        if one:
+            rows = min(PROMPT_LOGPROBS_BATCH, shapes["batch"]["max"])
+            plans.append(("prompt_logprobs", {**prefill, "batch": {"min": 1, "opt": 1, "max": rows},
+                                              "logit_positions": {**shapes["logit_positions"], "opt": seq["opt"]}}))
     profiles = []
     for name, ranges in plans:
         inputs = {}

@@ -244,7 +244,7 @@ class _Session:
         return OrtBackend(engine, graph=graph)
 
     def _feeds(self, config: Config, backend) -> dict:
-        from trtserve.runtime.generate import start
+        from trtserve.runtime.generate import logit_feed, start
 
         rng = np.random.default_rng([self.grid.seed, config.batch, config.sequence])
         vocab = backend.engine.manifest["model"]["architecture"]["vocab_size"]
@@ -260,6 +260,7 @@ class _Session:
             feeds["token_type_ids"] = np.zeros_like(ids)
         if "position_ids" in names:
             feeds["position_ids"] = np.tile(np.arange(config.sequence, dtype=np.int64), (config.batch, 1))
+            feeds.update(logit_feed(backend, config.sequence, last_only=False))  # fidelity is on every position
             feeds.update(start(backend, config.batch).past)
         return feeds
 

@@ -26,7 +26,7 @@ def encoder_input_names(uses_token_types: bool) -> list[str]:
 
 
 def decoder_input_names(num_layers: int) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
+    names = ["input_ids", "attention_mask", "position_ids", "logit_positions"]
     for i in range(num_layers):
         names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
     return names
@@ -74,15 +74,18 @@ def _classes():
     class DecoderGraph(nn.Module):
         """One graph for prefill and decode: past length P may be 0.
 
-        inputs: input_ids (B, S), attention_mask (B, P+S), position_ids (B, S), per layer past key and
-        value (B, Hkv, P, D). outputs: logits (B, S, V), per layer present key and value (B, Hkv, P+S, D).
+        inputs: input_ids (B, S), attention_mask (B, P+S), position_ids (B, S), logit_positions (K,)
+        (the new positions whose logits are wanted, the same for every row: [S-1] to sample the next
+        token, 0..S-1 for the prompt's logprobs), per layer past key and value (B, Hkv, P, D).
+        outputs: logits (B, K, V), per layer present key and value (B, Hkv, P+S, D). The LM head runs
+        on the K positions only: a prefill of S tokens no longer computes S vocabulary rows.
         """
 
         def __init__(self, model: nn.Module):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, attention_mask, position_ids, *past):
+        def forward(self, input_ids, attention_mask, position_ids, logit_positions, *past):
             from transformers import DynamicCache
 
             seq = input_ids.shape[1]
@@ -98,6 +101,7 @@ def _classes():
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
+                logits_to_keep=logit_positions,  # a 1-D tensor: these positions of every row
             )
             presents = []
             for layer in out.cache.layers:

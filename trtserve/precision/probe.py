@@ -23,6 +23,7 @@ def probe_feeds(kind: str, ids: np.ndarray, input_names: list[str], past_shape=N
         feeds["token_type_ids"] = np.zeros_like(ids)
     if kind == "decoder":
         feeds["position_ids"] = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64).copy()
+        feeds["logit_positions"] = np.arange(ids.shape[1], dtype=np.int64)
         heads, dim = past_shape
         for name in input_names:
             if name.startswith("past_key_values."):

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtserve.runtime.base import Backend
-from trtserve.runtime.generate import past_names, positions_from_mask, present_name
-from trtserve.runtime.sampling import Sampler, SamplingParams
+from trtserve.runtime.generate import logit_feed, past_names, positions_from_mask, present_name
+from trtserve.runtime.sampling import Sampler, SamplingParams, prompt_logprobs
 
 
 @dataclass
@@ -41,6 +41,7 @@ class Event:
     top_logprobs: list | None = None
     finish: str | None = None  # "stop" | "length" | None
     error: str | None = None
+    prompt_logprobs: list | None = None  # on the first event, when the sequence asked for them
 
 
 @dataclass
@@ -96,9 +97,15 @@ class ContinuousBatcher:
         return events
 
     def _admit(self) -> list[Sequence]:
+        """Newcomers for one prefill; a sequence that wants its prompt's logprobs is prefilled alone
+        (its logits are needed at every position, the others' at the last only)."""
         room = self.max_num_seqs - len(self.batch.seqs)
         chosen: list[Sequence] = []
         while self.waiting and len(chosen) < room:
+            if self.waiting[0].params.prompt_logprobs is not None:
+                if not chosen:
+                    chosen.append(self.waiting.popleft())
+                break
             longest = max([len(self.waiting[0].prompt)] + [len(s.prompt) for s in chosen])
             if chosen and (len(chosen) + 1) * longest > self.max_batched_tokens:
                 break
@@ -112,7 +119,9 @@ class ContinuousBatcher:
         for i, s in enumerate(seqs):  # left padding: every row's last column is its last prompt token
             ids[i, longest - len(s.prompt):] = s.prompt
             mask[i, longest - len(s.prompt):] = 1
-        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
+        scored = seqs[0].params.prompt_logprobs if len(seqs) == 1 else None
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
+                 **logit_feed(self.backend, longest, last_only=scored is None)}
         for name, (heads, dim) in self.kv_shape.items():
             feeds[name] = np.zeros((len(seqs), heads, 0, dim), dtype=np.float32)
         try:
@@ -123,13 +132,20 @@ class ContinuousBatcher:
             s.length = len(s.prompt)
         fresh = _Batch(list(seqs), {n: out[present_name(n)] for n in self.names}, mask)
         self.batch = _merge(self.batch, fresh)
-        return self._choose(seqs, out["logits"][:, -1])
+        events = self._choose(seqs, out["logits"][:, -1])
+        if scored is not None:
+            try:
+                events[0].prompt_logprobs = prompt_logprobs(seqs[0].prompt, out["logits"][0], scored)
+            except Exception as exc:  # noqa: BLE001 - as for sampling: this sequence ends, the rest go on
+                events[0] = Event(seqs[0].id, -1, error=f"{type(exc).__name__}: {exc}")
+                self._drop([i for i, s in enumerate(self.batch.seqs) if s.id == seqs[0].id])
+        return events
 
     def _decode(self) -> list[Event]:
         b = self.batch
         full = np.concatenate([b.mask, np.ones((len(b.seqs), 1), dtype=np.int64)], axis=1)
         feeds = {"input_ids": np.array([[s.next_token] for s in b.seqs], dtype=np.int64), "attention_mask": full,
-                 "position_ids": positions_from_mask(full)[:, -1:], **b.past}
+                 "position_ids": positions_from_mask(full)[:, -1:], **logit_feed(self.backend, 1, True), **b.past}
         seqs = list(b.seqs)
         try:
             out = self.backend.infer(feeds)

@@ -13,6 +13,7 @@ import numpy as np
 from trtserve.runtime.base import Backend
 
 PAST_PREFIX = "past_key_values."
+LOGIT_POSITIONS = "logit_positions"
 
 
 def past_names(backend: Backend) -> list[str]:
@@ -21,6 +22,15 @@ def past_names(backend: Backend) -> list[str]:
 
 def present_name(past: str) -> str:
     return "present." + past[len(PAST_PREFIX):]
+
+
+def logit_feed(backend: Backend, new_tokens: int, last_only: bool) -> dict[str, np.ndarray]:
+    """The `logit_positions` feed: the last new position, or all of them. Empty for engines built
+    before the input existed (they always return every position)."""
+    if not any(spec.name == LOGIT_POSITIONS for spec in backend.inputs):
+        return {}
+    first = new_tokens - 1 if last_only else 0
+    return {LOGIT_POSITIONS: np.arange(first, new_tokens, dtype=np.int64)}
 
 
 def positions_from_mask(mask: np.ndarray) -> np.ndarray:
@@ -43,12 +53,15 @@ def start(backend: Backend, batch: int) -> DecodeState:
     return DecodeState(mask=np.zeros((batch, 0), dtype=np.int64), past=past)
 
 
-def step(backend: Backend, state: DecodeState, input_ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """Feed (B, S) new tokens (mask (B, S), default all real); return (B, S, V) logits."""
+def step(backend: Backend, state: DecodeState, input_ids: np.ndarray, mask: np.ndarray | None = None,
+         last_only: bool = False) -> np.ndarray:
+    """Feed (B, S) new tokens (mask (B, S), default all real); return (B, S, V) logits, or (B, 1, V)
+    with `last_only` (the LM head then runs on the last position only)."""
     new_mask = np.ones_like(input_ids) if mask is None else mask.astype(np.int64)
     full_mask = np.concatenate([state.mask, new_mask], axis=1)
     positions = positions_from_mask(full_mask)[:, -input_ids.shape[1]:]
-    feeds = {"input_ids": input_ids.astype(np.int64), "attention_mask": full_mask, "position_ids": positions}
+    feeds = {"input_ids": input_ids.astype(np.int64), "attention_mask": full_mask, "position_ids": positions,
+             **logit_feed(backend, input_ids.shape[1], last_only)}
     feeds.update(state.past)
     out = backend.infer(feeds)
     state.mask = full_mask
@@ -63,12 +76,12 @@ def greedy(backend: Backend, input_ids: np.ndarray, mask: np.ndarray, steps: int
     so logits of two backends can be compared step by step on the same path.
     """
     state = start(backend, input_ids.shape[0])
-    logits = step(backend, state, input_ids, mask)[:, -1]
+    logits = step(backend, state, input_ids, mask, last_only=True)[:, -1]
     tokens, all_logits = [], []
     for i in range(steps):
         all_logits.append(logits)
         choice = logits.argmax(-1) if forced is None else forced[:, i]
         tokens.append(choice)
         if i + 1 < steps:
-            logits = step(backend, state, choice[:, None])[:, -1]
+            logits = step(backend, state, choice[:, None], last_only=True)[:, -1]
     return np.stack(tokens, 1), np.stack(all_logits, 1)

@@ -28,14 +28,27 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks; vLLM's extension)
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - np.max(logits)
-    return shifted - np.log(np.sum(np.exp(shifted)))
+    """Over the last axis (one row of logits, or a (S, V) block)."""
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def prompt_logprobs(prompt: list[int], logits: np.ndarray, top: int) -> list[tuple]:
+    """(token, logprob, top logprobs) of every prompt token under the (S, V) logits of the prompt's
+    own positions: token i is scored by position i - 1; the first has no logprob (None, None)."""
+    logp = log_softmax(logits[:-1].astype(np.float32))  # (S-1, V)
+    rows = [(prompt[0], None, None)]
+    for i, token in enumerate(prompt[1:]):
+        best = np.argsort(-logp[i])[:top] if top else []
+        rows.append((int(token), float(logp[i, token]), [(int(t), float(logp[i, t])) for t in best]))
+    return rows
 
 
 class Sampler:

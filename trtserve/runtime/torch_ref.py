@@ -35,6 +35,9 @@ class TorchBackend:
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_feeds(feeds, self.inputs, self.ranges)
         args = [self._torch.from_numpy(np.ascontiguousarray(feeds[spec.name])) for spec in self.inputs]
+        names = [spec.name for spec in self.inputs]
+        if "position_ids" in names and "logit_positions" not in names:  # an engine from before that input
+            args.insert(3, self._torch.arange(feeds["input_ids"].shape[1]))
         with self._torch.inference_mode():
             values = self.module(*args)
         return {spec.name: value.numpy() for spec, value in zip(self.outputs, values)}

@@ -90,7 +90,8 @@ class _Shape:
         tokens = [decode([t]) for t, _, _ in entries]
         offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{decode([k]): v for k, v in top} for _, _, top in entries], "text_offset": offsets}
+                "top_logprobs": [None if top is None else {decode([k]): v for k, v in top} for _, _, top in entries],
+                "text_offset": offsets}  # a prompt's first token has no logprob: None, as in OpenAI's and vLLM's
 
     def choice(self, index: int, text: str, finish: str | None, logprobs, chunk: bool, first: bool = False) -> dict:
         if not self.chat:
@@ -112,14 +113,17 @@ async def complete(service: GenerationService, jobs: list[Job], submission: Subm
     shape = _Shape(service, chat, model)
     texts = [job.echo for job in jobs]
     entries: list[list] = [[] for _ in jobs]
+    prompts: list[list] = [[] for _ in jobs]  # echo + logprobs: the prompt's tokens come first
     finish: list[str | None] = [None] * len(jobs)
     tokens = 0
     async for index, piece in _merged(submission, deadline):
         texts[index] += piece.text
         entries[index] += piece.logprobs
+        prompts[index] = piece.prompt_logprobs or prompts[index]
         tokens += len(piece.tokens)
         finish[index] = piece.finish or finish[index]
-    choices = [shape.choice(i, texts[i], finish[i], shape.logprobs(entries[i], len(jobs[i].echo)), chunk=False)
+    choices = [shape.choice(i, texts[i], finish[i], shape.logprobs(prompts[i] + entries[i], 0 if prompts[i] else
+                                                                   len(jobs[i].echo)), chunk=False)
                for i in range(len(jobs))]
     return shape.envelope(choices, _usage(jobs, tokens), chunk=False)
 
@@ -133,10 +137,14 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
     offsets = [len(job.echo) for job in jobs]
     try:
         for index, job in enumerate(jobs):  # the first chunk of each choice: the role, or the echoed prompt
-            if chat or job.echo:
+            if chat or (job.echo and job.params.prompt_logprobs is None):
                 started.add(index)
                 yield _event(shape.envelope([shape.choice(index, job.echo, None, None, True, first=True)], None, True))
         async for index, piece in _merged(submission, deadline):
+            if piece.prompt_logprobs:  # the echoed prompt with its logprobs, once they are known
+                started.add(index)
+                yield _event(shape.envelope([shape.choice(index, jobs[index].echo, None,
+                                                          shape.logprobs(piece.prompt_logprobs, 0), True)], None, True))
             tokens += len(piece.tokens)
             if not piece.text and not piece.finish and not piece.logprobs:
                 continue

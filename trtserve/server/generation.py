@@ -29,6 +29,7 @@ class Piece:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list]] = field(default_factory=list)
     finish: str | None = None
+    prompt_logprobs: list | None = None  # the prompt's tokens and logprobs (echo + logprobs), on the first piece
 
 
 @dataclass
@@ -128,7 +129,8 @@ class GenerationService:
             if any(not 0 <= t < self.vocab for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", param="prompt")
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if request.echo else ""
-            jobs += self._fan_out(request, ids, request.max_tokens or 16, request.logprobs, echo)
+            scored = request.logprobs if request.echo else None  # echo + logprobs: the prompt's logprobs too
+            jobs += self._fan_out(request, ids, request.max_tokens or 16, request.logprobs, echo, scored)
         self._check_tokens(jobs)
         return jobs
 
@@ -165,7 +167,8 @@ class GenerationService:
                              f"server queues at most {self.cfg.max_queue_tokens} per worker (--max-queue-tokens): "
                              "split the request", param="prompt")
 
-    def _fan_out(self, request, ids: list[int], max_tokens: int, logprobs: int | None, echo: str) -> list[Job]:
+    def _fan_out(self, request, ids: list[int], max_tokens: int, logprobs: int | None, echo: str,
+                 prompt_logprobs: int | None = None) -> list[Job]:
         if len(ids) + max_tokens > self.max_seq:
             raise BadRequest(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} "
                              f"is over this engine's context of {self.max_seq} tokens; shorten the prompt or lower "
@@ -179,7 +182,7 @@ class GenerationService:
                 max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                 top_k=max(request.top_k, 0), seed=None if request.seed is None else request.seed + i,
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                logprobs=logprobs, ignore_eos=request.ignore_eos)
+                logprobs=logprobs, ignore_eos=request.ignore_eos, prompt_logprobs=prompt_logprobs)
             jobs.append(Job(ids, params, stop, echo))
         return jobs
 
@@ -220,7 +223,10 @@ class GenerationService:
     async def pieces(self, job: Job, next_event, where: int, state: dict):
         """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts);
         state["done"] turns True once the sequence finished."""
-        ids, logprobs, sent, done, tokens_sent = [], [], "", False, 0
+        from tokenizers.decoders import DecodeStream
+
+        ids, logprobs, sent, done, tokens_sent, scored = [], [], "", False, 0, None
+        decoder, text = DecodeStream(skip_special_tokens=True), ""  # incremental: O(1) per token
         started = last = time.perf_counter()
         while not done:
             event = await next_event()
@@ -230,12 +236,15 @@ class GenerationService:
             self._observe("ttft" if not ids and last == started else "itl", now - last)
             last = now
             finish = event["finish"]
+            scored = event.get("prompt_logprobs") or scored
             if event["token"] >= 0:
                 ids.append(event["token"])
                 self._observe("tokens", 1)
                 if event["logprob"] is not None:
                     logprobs.append((event["token"], event["logprob"], event["top_logprobs"]))
-            text = self.tokenizer.decode(ids)
+                text += decoder.step(self.tokenizer, event["token"]) or ""  # None: half a character so far
+            if finish is not None:  # the whole decode once, so the final text is exactly decode(ids)
+                text = self.tokenizer.decode(ids)
             cut = _first_stop(text, job.stop, len(sent))
             if cut is not None:
                 text, finish = text[:cut], "stop"
@@ -243,8 +252,8 @@ class GenerationService:
             safe = len(text) if done else _safe_end(text, job.stop)
             if done or (safe > len(sent) and text.startswith(sent)):
                 delta = text[len(sent):safe] if text.startswith(sent) else ""
-                yield Piece(delta, ids[tokens_sent:], logprobs, finish)
-                tokens_sent, logprobs, sent = len(ids), [], text[:safe]
+                yield Piece(delta, ids[tokens_sent:], logprobs, finish, scored)
+                tokens_sent, logprobs, sent, scored = len(ids), [], text[:safe], None
         if len(ids) > 1:
             self._observe("tpot", (last - started) / len(ids))
 
