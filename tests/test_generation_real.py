@@ -249,3 +249,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_hugging_face_does(client):
                                             logprobs=1, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[0].choices[0].text == prompt and chunks[0].choices[0].logprobs.tokens == lp.tokens[:ids.shape[1]]
+
+
+def test_a_stop_string_found_by_the_server_cancels_the_sequence_in_the_worker(server):
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True,
+            "stop": [" "], "temperature": 0}  # a space comes within a few tokens; 1500 tokens take > 30 s
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "stop"
+    deadline = time.time() + 10
+    while metric(server, "trtserve_running_sequences") > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "trtserve_running_sequences") == 0  # not decoding on to max_tokens

@@ -65,6 +65,7 @@ class ContinuousBatcher:
         self.kv_shape = {n: (specs[n].shape[1], specs[n].shape[3]) for n in self.names}  # (Hkv, D)
         self.waiting: deque[Sequence] = deque()
         self.batch = _Batch()
+        self.newcomers: list[Sequence] = []  # admitted by the step in progress, not yet in the batch
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -89,7 +90,7 @@ class ContinuousBatcher:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         events: list[Event] = []
-        newcomers = self._admit()
+        newcomers = self.newcomers = self._admit()
         if newcomers:
             events += self._prefill(newcomers)
         if self.batch.seqs:

@@ -44,6 +44,8 @@ def prompt_logprobs(prompt: list[int], logits: np.ndarray, top: int) -> list[tup
     """(token, logprob, top logprobs) of every prompt token under the (S, V) logits of the prompt's
     own positions: token i is scored by position i - 1; the first has no logprob (None, None)."""
     logp = log_softmax(logits[:-1].astype(np.float32))  # (S-1, V)
+    if not np.isfinite(logp.max(axis=-1)).all() or np.isnan(logp).any():
+        raise SamplingError("the model's logits for this prompt are not finite numbers (NaN or inf)")
     rows = [(prompt[0], None, None)]
     for i, token in enumerate(prompt[1:]):
         best = np.argsort(-logp[i])[:top] if top else []

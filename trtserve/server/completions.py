@@ -141,10 +141,10 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
                 started.add(index)
                 yield _event(shape.envelope([shape.choice(index, job.echo, None, None, True, first=True)], None, True))
         async for index, piece in _merged(submission, deadline):
-            if piece.prompt_logprobs:  # the echoed prompt with its logprobs, once they are known
+            if index not in started and jobs[index].echo:  # the echo held back for the prompt's logprobs
                 started.add(index)
-                yield _event(shape.envelope([shape.choice(index, jobs[index].echo, None,
-                                                          shape.logprobs(piece.prompt_logprobs, 0), True)], None, True))
+                scored = shape.logprobs(piece.prompt_logprobs, 0) if piece.prompt_logprobs else None
+                yield _event(shape.envelope([shape.choice(index, jobs[index].echo, None, scored, True)], None, True))
             tokens += len(piece.tokens)
             if not piece.text and not piece.finish and not piece.logprobs:
                 continue

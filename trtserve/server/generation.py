@@ -92,6 +92,8 @@ class GenerationService:
         await self.pool.probe(self._probe_on)
 
     async def _probe_on(self, worker) -> None:
+        if worker.channel is None or worker.channel.closed:
+            raise Unavailable(f"worker {worker.index} is restarting")
         job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
         submission = self._open([job], worker)
         try:
@@ -212,8 +214,8 @@ class GenerationService:
         states = [{"done": False} for _ in jobs]
 
         def close():
-            for (_, seq_id, _), state in zip(opened, states):
-                worker.channel.close(seq_id, cancel=not state["done"])
+            for _, seq_id, _ in opened:
+                worker.channel.close(seq_id)
 
         streams = [self.pieces(job, queue.get, worker.index, state)
                    for (job, _, queue), state in zip(opened, states)]

@@ -52,7 +52,7 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> N
                 events = failed + [e.__dict__ for e in batcher.step()]
             except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
                 log.exception("generation step failed")
-                held = [s.id for s in list(batcher.waiting) + batcher.batch.seqs]
+                held = [s.id for s in list(batcher.waiting) + batcher.batch.seqs + batcher.newcomers]
                 events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
                 batcher = fresh()
             conn.send(("events", (events, batcher.running, len(batcher.waiting))))
@@ -89,9 +89,11 @@ class GenerationChannel:
         self._outbox.put(("add", message))
         return opened
 
-    def close(self, seq_id: str, cancel: bool) -> None:
+    def close(self, seq_id: str) -> None:
+        """The server is done with a sequence: cancel it in the worker unless the worker ended it
+        (a stop string found here, a client gone, a deadline: the worker would go on otherwise)."""
         self.tokens.pop(seq_id, None)
-        if self.streams.pop(seq_id, None) is not None and cancel:
+        if self.streams.pop(seq_id, None) is not None:
             self._outbox.put(("cancel", seq_id))
 
     def queued_tokens(self) -> int:
@@ -138,13 +140,16 @@ class GenerationChannel:
             pass
 
     def _dispatch(self, events: list[dict], running: int, waiting: int) -> None:
-        if self.closed:
-            return
+        # also after `closed`: a dying worker's last events still reach their streams (_fail_all,
+        # which runs after, answers the rest; a hung worker's streams were already failed and dropped)
         self.running, self.waiting = running, waiting
         for event in events:
             queue = self.streams.get(event["id"])
             if queue is not None:
                 queue.put_nowait(event)
+                if event.get("finish") or event.get("error"):  # ended in the worker: no longer held there
+                    self.streams.pop(event["id"], None)
+                    self.tokens.pop(event["id"], None)
 
     def _fail_all(self, error: str) -> None:
         for seq_id, queue in list(self.streams.items()):

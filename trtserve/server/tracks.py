@@ -115,6 +115,8 @@ class TrackGenerationService(GenerationService):
         if self.alive():
             async for _ in self.stream(job):
                 pass
+        elif self.decoder is not None and self._restarting is None:  # a rank died while idle
+            self._failed("a rank exited")
 
     def alive(self) -> bool:
         return self.decoder is not None and self._restarting is None and all(p.is_alive() for p in self.decoder.procs)
