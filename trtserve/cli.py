@@ -16,13 +16,15 @@ BACKENDS = ["auto", "onnxruntime", "tensorrt"]
 
 
 def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", help="Hugging Face checkpoint directory, or a bundled model: "
-                        "all-MiniLM-L6-v2, SmolLM2-135M-Instruct")
+    parser.add_argument("model", help="Hugging Face checkpoint directory, a .gguf file (llama family), or a "
+                        "bundled model: all-MiniLM-L6-v2, SmolLM2-135M-Instruct")
     parser.add_argument("--out", required=True, type=Path, help="engine directory to write (replaced atomically)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "hybrid", "auto"],
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "hybrid", "auto", "gguf"],
                         help="precision policy written into the graph: fp32 (default); fp16 (every op that "
                         "can be); hybrid (fp16 GEMMs, fp32 softmax/norms/reductions/rotary/mask); auto "
-                        "(fp16 plus the smallest ranked set of fp32 nodes that meets the fidelity target)")
+                        "(fp16 plus the smallest ranked set of fp32 nodes that meets the fidelity target); "
+                        "gguf (a GGUF checkpoint's own Q4_1/Q8_0 blocks in its GEMMs and embeddings, not "
+                        "re-quantized)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="text file to measure fidelity on (default: bundled Wikipedia sample)")
     parser.add_argument("--fidelity-target", default="",

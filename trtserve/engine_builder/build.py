@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,9 @@ def build_engine(cfg: BuildConfig) -> artifact.EngineDir:
         why += f"; {flavour} {trt.__version__}"
     say(f"backend: {backend} ({why})")
     source = resolve(cfg.model)
+    if get_policy(cfg.precision).weights == "gguf" and source.gguf is None:
+        raise TrtServeError(f"--precision gguf reads a GGUF checkpoint's own blocks, and {source.model_id} was not "
+                            "converted from a .gguf file; give the .gguf file, or choose another --precision")
     max_seq = _max_seq(cfg, source)
     started = time.time()
     with atomic_dir(cfg.out) as tmp:
@@ -87,8 +91,7 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
 
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str) -> dict:
-    from trtserve.engine_builder.onnxruntime import build_ort
-    from trtserve.precision.run import Harness, measure_engine
+    from trtserve.precision.run import Harness
 
     onnx_path = tmp / ONNX_FILE
     source_hash = source.source_hash()
@@ -96,7 +99,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     manifest = {
         "model": {
             "id": source.model_id,
-            "source": source.model_id if source.model_id in BUNDLED else str(source.path),
+            "source": source.model_id if source.model_id in BUNDLED else str(source.gguf or source.path),
             "source_path": str(source.path),
             "source_sha256": source_hash,
             "family": source.info.family,
@@ -117,27 +120,16 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
 
         with step("auto precision: overflow probe and search under fp16 emulation"):
             policy, search_record = search(onnx.load(str(fp32_graph)), harness)
-    graph_report = _apply_precision(fp32_graph, policy, onnx_path)
     _copy_tokenizer_files(source, tmp)
-    with step("optimizing the graph with ONNX Runtime"):
-        backend_entry = build_ort(onnx_path, tmp)
-    backend_entry["chosen_because"] = why
+    manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
+    report = _precision_and_ort(tmp, manifest, policy, search_record, source, fp32_graph, target, harness, why)
     if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback
         from trtserve.engine_builder.tensorrt import build_trt
 
         with step("building the TensorRT plan"):
             manifest["tensorrt"] = build_trt(onnx_path, tmp, manifest, cfg.trt)
         manifest["tensorrt"]["chosen_because"] = why
-    manifest.update({
-        "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
-                 "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
-        "precision": dict(policy.describe(), graph=graph_report, search=search_record),
-        "backend": backend_entry,
-        "versions": _versions(),
-        "build_command": _rebuild_command(cfg),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
-    report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
+    manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["fidelity"] = report
     if not report["passed"] and not cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])
@@ -149,7 +141,48 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     return manifest
 
 
-def _apply_precision(fp32_graph: Path, policy, out: Path) -> dict:
+def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source, fp32_graph: Path, target,
+                       harness, why: str) -> dict:
+    """Write the policy into the graph, optimize it for ONNX Runtime, measure it; return the fidelity report.
+
+    Quantized policies try the activation plans (precision.activations) fastest first, keeping the first
+    that meets the target; the plans that missed are recorded in the backend entry."""
+    from trtserve.engine_builder.onnxruntime import build_ort
+    from trtserve.precision.run import measure_engine, summary
+
+    onnx_path = tmp / ONNX_FILE
+    plans, tried, written = [None], [], None
+    if policy.weights != "float":
+        import onnx
+
+        from trtserve.precision.activations import plans as activation_plans
+
+        plans = activation_plans(onnx.load(str(fp32_graph)))
+    for plan in plans:
+        keep = plan.fp32_weights if plan else frozenset()
+        if keep != written:
+            graph_report, written = _apply_precision(fp32_graph, policy, onnx_path, source, keep), keep
+        label = f", int8 activations in {plan.label}" if plan else ""
+        with step(f"optimizing the graph with ONNX Runtime{label}"):
+            backend_entry = build_ort(onnx_path, tmp, plan.int8 if plan else None)
+        backend_entry["chosen_because"] = why
+        if plan:
+            backend_entry.update(int8_activations=plan.label, int8_activations_missed=list(tried))
+        manifest.update({
+            "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
+                     "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
+            "precision": dict(policy.describe(), graph=graph_report, search=search_record),
+            "backend": backend_entry,
+        })
+        report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
+        if report["passed"] or plan is plans[-1]:
+            return report
+        tried.append({"plan": plan.label, "fidelity": summary(report)})
+        say(f"int8 activations in {plan.label} miss the target: {summary(report)}")
+    return report
+
+
+def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, keep: frozenset = frozenset()) -> dict:
     import onnx
 
     from trtserve.precision.passes import apply_policy
@@ -157,6 +190,8 @@ def _apply_precision(fp32_graph: Path, policy, out: Path) -> dict:
     if policy.name == "fp32":
         shutil.copyfile(fp32_graph, out)
         return {}
+    if policy.weights == "gguf":
+        return _apply_gguf(fp32_graph, out, source, keep)
     with step(f"writing the {policy.name} precision policy into the graph"):
         mixed, report = apply_policy(onnx.load(str(fp32_graph)), policy)
         onnx.save(mixed, str(out))
@@ -165,6 +200,21 @@ def _apply_precision(fp32_graph: Path, policy, out: Path) -> dict:
         f"{sum(report.fp32_nodes.values())} fp32, {report.casts_inserted} casts, patterns kept fp32: "
         + (", ".join(f"{k} x{v['instances']}" for k, v in report.patterns.items()) or "none (explicit node set)"))
     return report.to_json()
+
+
+def _apply_gguf(fp32_graph: Path, out: Path, source: ModelSource, keep: frozenset) -> dict:
+    import onnx
+
+    from trtserve.precision.gguf_policy import apply_gguf
+
+    with step(f"carrying the blocks of {source.gguf.name} into the graph"):
+        model, report = apply_gguf(onnx.load(str(fp32_graph)), source.gguf, keep)
+        onnx.save(model, str(out))
+        onnx.checker.check_model(str(out), full_check=True)
+    formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
+    say(f"precision: gguf: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings read GGUF blocks ("
+        + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) + f"), {len(report['fp32'])} weights stay fp32")
+    return report
 
 
 def fp32_export(source: ModelSource) -> Path:

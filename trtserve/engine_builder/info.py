@@ -23,6 +23,9 @@ def describe_manifest(engine: EngineDir) -> str:
         f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
         f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {}),
         f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})",
+        *([f"            int8 activations in {backend['int8_activations']}"
+           + "".join(f"; {t['plan']} missed the target" for t in backend.get("int8_activations_missed", []))]
+          if "int8_activations" in backend else []),
         *_tensorrt(m.get("tensorrt")),
         f"onnx        {m['onnx']['file']} opset {m['onnx']['opset']} (sha256 {m['onnx']['sha256'][:16]}...)",
         "shapes      " + ", ".join(f"{axis} {r['min']}..{r['max']} (opt {r['opt']})" for axis, r in m["shapes"].items()),
@@ -64,6 +67,13 @@ def _io(spec: dict) -> str:
 def _graph(report: dict) -> str:
     if not report:
         return ""
+    if "gemms" in report:  # weights carried from a GGUF file
+        from collections import Counter
+
+        formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
+        return (f" (from {report['source']}: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings "
+                "read its blocks, " + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
+                + f"; {len(report['fp32'])} weights fp32)")
     low, fp32 = sum(report["low_precision_nodes"].values()), sum(report["fp32_nodes"].values())
     patterns = ", ".join(f"{k} x{v['instances']}" for k, v in report["patterns_kept_fp32"].items() if v["instances"])
     return f" ({low} nodes fp16, {fp32} fp32, {report['casts_inserted']} casts; kept fp32: {patterns or 'none'})"

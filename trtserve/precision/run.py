@@ -69,7 +69,7 @@ def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, h
     policy = policy_from_manifest(engine.manifest["precision"])
     harness = harness or Harness(engine, source, target, calibration)
     harness.engine = engine  # the complete engine (a search may have run on a partial manifest)
-    runs = ["onnxruntime"] + (["fp16_emulation"] if policy.name != "fp32" else [])
+    runs = ["onnxruntime"] + (["fp16_emulation"] if policy.anchors else [])
     result = {"reference": "torch fp32 (transformers, eager attention)", "text": harness.corpus.name,
               "lengths": harness.lengths, "target": asdict(target), "labels": {}}
     for name in runs:

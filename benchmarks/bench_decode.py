@@ -1,0 +1,116 @@
+"""Batch-1 decode side by side: trtserve engines (one per precision) and, where installed, llama.cpp on
+the GGUF file the checkpoint came from. Same 128-token real-text prompt ids for every engine, 64 greedy
+tokens, engines taking turns (order reversed every other round), medians; greedy tokens compared
+with the first engine's.
+
+    .venv/bin/python benchmarks/bench_decode.py --engine fp32=engines/smollm2 --engine gguf=engines/smollm2-gguf
+        [--llama-cpp] [--rounds 7] [--prompt 128] [--tokens 64] [--threads 2]
+
+llama.cpp is a peer, not a dependency: `--llama-cpp` needs `llama_cpp` (llama-cpp-python) importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class Ours:
+    def __init__(self, engine: Path, threads: int):
+        from trtserve.runtime import load_backend
+        from trtserve.runtime.text import TextEngine
+
+        self.text = TextEngine(load_backend(engine, threads=threads))
+
+    def run(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+        """(seconds from the first token to the last, greedy token ids)."""
+        from trtserve.runtime.batching import ContinuousBatcher
+        from trtserve.runtime.sampling import SamplingParams
+
+        batcher = ContinuousBatcher(self.text.backend, self.text.eos_ids, 1)
+        batcher.add("s", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        out, first = [], None
+        while batcher.has_work():
+            for event in batcher.step():
+                if event.token >= 0:
+                    out.append(int(event.token))
+                    first = first or time.perf_counter()
+        return time.perf_counter() - first, out
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, threads: int):
+        from llama_cpp import Llama
+
+        # the AMX buffer types crash on some VMs; the plain CPU path is what a default build runs elsewhere
+        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False, use_extra_bufts=False)
+
+    def run(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+        self.llm.reset()
+        out, first = [], None
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out.append(int(token))
+            first = first or time.perf_counter()
+            if len(out) == tokens:
+                break
+        return time.perf_counter() - first, out
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading greedy tokens two engines share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    from trtserve.eval.data import wiki_text
+    from trtserve.runtime.text import TextEngine
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=DIR", required=True)
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the engines' GGUF source")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    engines = {}
+    for item in args.engine:
+        name, _, path = item.partition("=")
+        engines[name] = Ours(Path(path), args.threads)
+    first = next(iter(engines.values()))
+    prompt = TextEngine(first.text.backend).tokenize([wiki_text(4000)], add_special_tokens=False)[0][:args.prompt]
+    if args.llama_cpp:
+        from trtserve.models.sources import resolve
+
+        gguf = resolve(first.text.backend.manifest["model"]["source"]).gguf
+        engines[f"llama.cpp {gguf.name}"] = LlamaCpp(gguf, args.threads)
+    for engine in engines.values():
+        engine.run(prompt, 8)  # warm-up
+    times = {name: [] for name in engines}
+    tokens = {}
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for name in order:
+            seconds, tokens[name] = engines[name].run(prompt, args.tokens)
+            times[name].append(seconds)
+    base = next(iter(engines))
+    rate = {name: (args.tokens - 1) / statistics.median(t) for name, t in times.items()}
+    print(f"batch 1, {args.prompt}-token real prompt, {args.tokens} greedy tokens, {args.threads} threads, "
+          f"median of {args.rounds} interleaved rounds")
+    print(f"| engine | decode tok/s | vs {base} | greedy tokens equal to {base}'s |")
+    print("|---|---|---|---|")
+    for name in engines:
+        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[base]:.2f}x | "
+              f"first {agreement(tokens[base], tokens[name])} of {args.tokens} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Weight-only quantized GEMMs written into the portable graph as standard ONNX (opset 21).
+
+A weight W [K, N] feeding MatMul becomes DequantizeLinear(q, scale, axis=0, block_size=32) -> MatMul
+with q int8 or int4 and no zero point:
+ONNX Runtime fuses that pair into one MatMulNBits node at load, and TensorRT reads it as a weight-only
+quantized layer (an INT4/INT8 constant, DEQUANTIZE, MATRIX_MULTIPLY). A block minimum (GGUF Q4_1,
+w = d * q + m) has no place in DequantizeLinear, whose zero point is an integer; it is carried
+exactly by its share of the product, x @ M[block] summed over each block of x:
+    x @ W = x @ DQ(q, d) + blocksum(x) @ M,   blocksum(x)[..., b] = sum of x[..., 32b:32b+32].
+An embedding table read by Gather gathers the integer rows and their scales, then multiplies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from trtserve.precision.gguf_blocks import BLOCK, Blocks
+
+OPSET = 21  # blocked DequantizeLinear and the 4-bit types
+
+
+def int_tensor(values: np.ndarray, name: str, dtype: str) -> TensorProto:
+    """An int8, uint8 or int4 initializer; int4 packs two values a byte, the first in the low nibble."""
+    if dtype in ("int8", "uint8"):
+        return numpy_helper.from_array(np.ascontiguousarray(values, dtype=dtype), name)
+    flat = (np.ascontiguousarray(values, dtype=np.int8).ravel() & 0x0F).astype(np.uint8)  # two's complement nibbles
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    packed = (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+    tensor = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(values.shape))
+    tensor.raw_data = packed.tobytes()
+    return tensor
+
+
+@dataclass
+class Rewrite:
+    """Nodes and initializers to add to one graph; block sums shared between GEMMs reading one input."""
+
+    ranks: dict
+    nodes: list = field(default_factory=list)  # to insert before the node being rewired
+    after: list = field(default_factory=list)  # to insert after it
+    initializers: list = field(default_factory=list)
+    block_sums: dict = field(default_factory=dict)
+
+    def constant(self, array: np.ndarray, name: str) -> str:
+        self.initializers.append(numpy_helper.from_array(array, name))
+        return name
+
+    def block_sum(self, x: str, k: int) -> str:
+        if x not in self.block_sums:
+            shape = self.constant(np.array([0] * (self.ranks[x] - 1) + [k // BLOCK, BLOCK], np.int64), f"{x}.blocks.shape")
+            axes = self.constant(np.array([-1], np.int64), f"{x}.blocks.axes")
+            self.nodes += [helper.make_node("Reshape", [x, shape], [f"{x}.blocks"], name=f"{x}.blocks"),
+                           helper.make_node("ReduceSum", [f"{x}.blocks", axes], [f"{x}.blocksum"],
+                                            name=f"{x}.blocksum", keepdims=0)]
+            self.block_sums[x] = f"{x}.blocksum"
+        return self.block_sums[x]
+
+    def matmul(self, node, blocks: Blocks) -> None:
+        """Rewire MatMul(x, W) to read W from `blocks` ([N, K] rows, K along the blocks).
+
+        4-bit values are stored signed (q - 8, with m + 8d as the minimum): TensorRT takes INT4 weights
+        without a zero point, and d * q + m = d * (q - 8) + (m + 8d)."""
+        base = node.name or node.output[0]
+        if blocks.minimum is not None:
+            blocks = Blocks(blocks.name, blocks.format, blocks.q.astype(np.int8) - 8, blocks.scale,
+                            blocks.minimum + 8 * blocks.scale)
+        q = int_tensor(blocks.q.T, f"{base}.weight.q", "int8" if blocks.format == "Q8_0" else "int4")
+        self.initializers.append(q)
+        scale = self.constant(np.ascontiguousarray(blocks.scale.T), f"{base}.weight.scale")
+        self.nodes.append(helper.make_node("DequantizeLinear", [q.name, scale], [f"{base}.weight"],
+                                           name=f"{base}.weight.dq", axis=0, block_size=BLOCK))
+        node.input[1] = f"{base}.weight"
+        if blocks.minimum is None:
+            return
+        x, y = node.input[0], node.output[0]
+        minimum = self.constant(np.ascontiguousarray(blocks.minimum.T), f"{base}.weight.minimum")
+        node.output[0] = f"{base}.scaled"
+        self.nodes.append(helper.make_node("MatMul", [self.block_sum(x, blocks.q.shape[1]), minimum], [f"{base}.shift"],
+                                           name=f"{base}.shift"))
+        self.after.append(helper.make_node("Add", [f"{base}.scaled", f"{base}.shift"], [y], name=f"{base}.add_shift"))
+
+    def gather(self, node, blocks: Blocks) -> None:
+        """Rewire Gather(table, ids) to gather integer rows and their scales, then dequantize them."""
+        base, ids, y = node.name or node.output[0], node.input[1], node.output[0]
+        k, rank = blocks.q.shape[1], self.ranks[ids]
+        q = int_tensor(blocks.q, f"{base}.table.q", "int8" if blocks.format == "Q8_0" else "uint8")  # Gather reads bytes
+        self.initializers.append(q)
+        scale = self.constant(np.ascontiguousarray(blocks.scale), f"{base}.table.scale")
+        split = self.constant(np.array([0] * rank + [k // BLOCK, BLOCK], np.int64), f"{base}.table.blocks")
+        joined = self.constant(np.array([0] * rank + [k], np.int64), f"{base}.table.row")
+        last = self.constant(np.array([-1], np.int64), f"{base}.table.axis")
+        node.input[0], node.output[0] = q.name, f"{base}.q"
+        self.after += [
+            helper.make_node("Cast", [f"{base}.q"], [f"{base}.qf"], name=f"{base}.cast", to=TensorProto.FLOAT),
+            helper.make_node("Reshape", [f"{base}.qf", split], [f"{base}.qb"], name=f"{base}.split"),
+            helper.make_node("Gather", [scale, ids], [f"{base}.s"], name=f"{base}.gather_scale"),
+            helper.make_node("Unsqueeze", [f"{base}.s", last], [f"{base}.s1"], name=f"{base}.unsqueeze_scale"),
+            helper.make_node("Mul", [f"{base}.qb", f"{base}.s1"], [f"{base}.wb"], name=f"{base}.scale"),
+        ]
+        out = f"{base}.wb"
+        if blocks.minimum is not None:
+            minimum = self.constant(np.ascontiguousarray(blocks.minimum), f"{base}.table.minimum")
+            self.after += [
+                helper.make_node("Gather", [minimum, ids], [f"{base}.m"], name=f"{base}.gather_minimum"),
+                helper.make_node("Unsqueeze", [f"{base}.m", last], [f"{base}.m1"], name=f"{base}.unsqueeze_minimum"),
+                helper.make_node("Add", [out, f"{base}.m1"], [f"{base}.wm"], name=f"{base}.shift"),
+            ]
+            out = f"{base}.wm"
+        self.after.append(helper.make_node("Reshape", [out, joined], [y], name=f"{base}.join"))
+
+    def take(self) -> tuple[list, list]:
+        before, after = self.nodes, self.after
+        self.nodes, self.after = [], []
+        return before, after
+
