@@ -99,7 +99,7 @@ def test_graph_carries_the_blocks_and_computes_what_the_fp32_graph_does(tiny, tm
     assert set(report["fp32"]) == {"not_in_gguf", "other_width"}
     types = {i.name: i.data_type for i in model.graph.initializer}
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert sorted(types[n.input[0]] for n in dq) == sorted([TensorProto.INT4, TensorProto.INT4, TensorProto.INT8])
+    assert sorted(types[n.input[0]] for n in dq) == sorted([TensorProto.INT4, TensorProto.INT4, TensorProto.INT8, TensorProto.INT8])
     assert all(helper.get_attribute_value(next(a for a in n.attribute if a.name == "block_size")) == 32 for n in dq)
     assert not {"embed", "up", "down"} & set(types), "the fp32 copies of carried weights are gone"
     ids = np.random.default_rng(2).integers(0, VOCAB, (2, 5))
@@ -121,7 +121,7 @@ def test_onnx_runtime_fuses_every_carried_gemm(tiny, tmp_path):
     options.log_severity_level = 3
     ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(str(tmp_path / "m.ort.onnx")).graph.node]
-    assert ops.count("MatMulNBits") == 3 and "DequantizeLinear" not in ops
+    assert ops.count("MatMulNBits") == 3 and ops.count("DequantizeLinear") == 1  # the table: see build_ort
 
 
 def test_kept_gemms_keep_fp32_weights(tiny):
@@ -132,7 +132,8 @@ def test_kept_gemms_keep_fp32_weights(tiny):
     assert plans(fp32)[-1].fp32_weights == frozenset({"lm_head"})
 
 
-def test_per_node_accuracy_levels_in_the_optimized_graph_only(tiny, tmp_path):
+def test_onnx_runtime_lowerings_in_the_optimized_graph_only(tiny, tmp_path):
+    """Per-node accuracy levels, and the embedding as GatherBlockQuantized, computing the same numbers."""
     from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort
 
     path, fp32 = tiny
@@ -143,6 +144,12 @@ def test_per_node_accuracy_levels_in_the_optimized_graph_only(tiny, tmp_path):
     levels = {n.name: helper.get_attribute_value(next(a for a in n.attribute if a.name == "accuracy_level"))
               for n in onnx.load(str(tmp_path / OPTIMIZED)).graph.node if n.op_type == "MatMulNBits"}
     assert levels == {"up_proj": 0, "down_proj": 0, "lm_head": 4}
+    lowered = onnx.load(str(tmp_path / OPTIMIZED))
+    assert [n.op_type for n in lowered.graph.node].count("GatherBlockQuantized") == 1
+    assert "DequantizeLinear" not in [n.op_type for n in lowered.graph.node]
+    ids = np.random.default_rng(3).integers(0, VOCAB, (2, 5))
+    want = _run(model, ids, "none")[1]  # `side` reads the embedding through fp32 GEMMs only
+    np.testing.assert_allclose(_run(lowered, ids, "none")[1], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert not any(a.name == "accuracy_level" for n in onnx.load(str(tmp_path / "model.onnx")).graph.node
                    for a in n.attribute)
 

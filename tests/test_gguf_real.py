@@ -4,6 +4,7 @@ engine, the same greedy tokens."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -20,8 +21,10 @@ def gguf_engine(tmp_path_factory):
 
     gguf = _gguf_file(BUNDLED["SmolLM2-135M-Instruct"])
     out = tmp_path_factory.mktemp("gguf") / "smollm2"
+    # TensorRT-RTX (a CI dependency) builds the plan beside the ONNX Runtime graph without a GPU
+    trt = ["--backend", "tensorrt"] if importlib.util.find_spec("tensorrt_rtx") else []
     result = run_cli("build-engine", str(gguf), "--out", str(out), "--precision", "gguf", "--max-seq", "512",
-                     "--max-batch", "8")
+                     "--max-batch", "8", *trt)
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -42,6 +45,17 @@ def test_every_gemm_and_the_embedding_read_the_gguf_blocks(gguf_engine):
     assert all(t["fidelity"].startswith("FAILED") for t in backend["int8_activations_missed"])
     info = run_cli("info", str(out))
     assert info.returncode == 0 and "Q4_1 x210" in info.stdout and "int8 activations in" in info.stdout
+
+
+def test_tensorrt_plan_has_the_int4_and_int8_weight_layers(gguf_engine):
+    require_package("tensorrt_rtx", "pip install tensorrt-rtx-cu13 (TensorRT-RTX builds plans without a GPU)")
+    out, _ = gguf_engine
+    manifest = json.loads((out / "manifest.json").read_text())
+    check = manifest["tensorrt"]["layer_precision"]
+    graph = manifest["precision"]["graph"]
+    int8 = sum(v["format"] == "Q8_0" for v in [*graph["gemms"].values(), *graph["embeddings"].values()])
+    assert check["quantized_weights"] == {"INT4": 210, "INT8": int8} and not check["violations"]
+    assert (out / "model.plan").stat().st_size > 0
 
 
 def test_gguf_engine_is_a_third_of_the_fp32_one_and_decodes_the_same_tokens(gguf_engine, engines):

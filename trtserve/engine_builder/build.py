@@ -99,7 +99,8 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     manifest = {
         "model": {
             "id": source.model_id,
-            "source": source.model_id if source.model_id in BUNDLED else str(source.gguf or source.path),
+            "source": cfg.model if cfg.model in BUNDLED and not Path(cfg.model).exists()
+            else str(source.gguf or source.path),
             "source_path": str(source.path),
             "source_sha256": source_hash,
             "family": source.info.family,
@@ -148,7 +149,8 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
     Quantized policies try the activation plans (precision.activations) fastest first, keeping the first
     that meets the target; the plans that missed are recorded in the backend entry."""
     from trtserve.engine_builder.onnxruntime import build_ort
-    from trtserve.precision.run import measure_engine, summary
+    from trtserve.precision.run import measure_engine, screen_summary, summary
+    from trtserve.precision.search import SEARCH_MAX_LENGTH
 
     onnx_path = tmp / ONNX_FILE
     plans, tried, written = [None], [], None
@@ -174,6 +176,15 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
             "precision": dict(policy.describe(), graph=graph_report, search=search_record),
             "backend": backend_entry,
         })
+        if plan is not plans[-1]:  # a quick screen first: prefill only, lengths up to the search's limit
+            harness.engine = artifact.EngineDir(tmp, manifest)
+            short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH]
+            with step(f"screening int8 activations in {plan.label}"):
+                screen = harness.run(decode=False, lengths=short)
+            if not screen["passed"]:
+                tried.append({"plan": plan.label, "fidelity": screen_summary(screen, short, harness.corpus.name)})
+                say(f"int8 activations in {plan.label} miss the target: {tried[-1]['fidelity']}")
+                continue
         report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
         if report["passed"] or plan is plans[-1]:
             return report

@@ -22,7 +22,8 @@ def describe_manifest(engine: EngineDir) -> str:
         f"hidden {arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
         f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
         f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {}),
-        f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})",
+        f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})"
+        + (f"; {backend['resident_mb']} MB resident once loaded" if backend.get("resident_mb") else ""),
         *([f"            int8 activations in {backend['int8_activations']}"
            + "".join(f"; {t['plan']} missed the target" for t in backend.get("int8_activations_missed", []))]
           if "int8_activations" in backend else []),
@@ -88,7 +89,8 @@ def _tensorrt(entry: dict | None) -> list[str]:
     kernels = entry.get("kernels", {"count": "?", "output_dtypes_by_kernel_type": {}})
     return [f"tensorrt    {entry['plan']} ({entry['flavour']} {entry['version']}, {entry['compute_capability']}, "
             f"profiles {', '.join(p['name'] for p in entry['profiles'])})",
-            f"            layer outputs: {types}; {len(entry['layer_precision']['violations'])} precision violations",
+            f"            layer outputs: {types}; {len(entry['layer_precision']['violations'])} precision violations"
+            + "".join(f"; {n} {t} weights" for t, n in entry["layer_precision"].get("quantized_weights", {}).items()),
             f"            kernels after fusion: {kernels['count']} ("
             + ", ".join(f"{k} {'/'.join(f'{n} {t}' for t, n in v.items())}"
                         for k, v in kernels["output_dtypes_by_kernel_type"].items()) + ")"]

@@ -28,8 +28,9 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     options.optimized_model_filepath = str(out_dir / OPTIMIZED)
     options.log_severity_level = 3  # the "hardware specific" notice: the manifest records the machine
     ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    levels = _set_accuracy_levels(out_dir / OPTIMIZED, int8_activations) if int8_activations is not None else {}
+    levels = _lower(out_dir / OPTIMIZED, int8_activations) if int8_activations is not None else {}
     return {
+        "resident_mb": resident_mb(out_dir / OPTIMIZED),
         "name": "onnxruntime",
         "graph": OPTIMIZED,
         "portable_graph": onnx_path.name,
@@ -41,8 +42,32 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     }
 
 
-def _set_accuracy_levels(graph: Path, int8_activations: frozenset) -> dict:
-    """Give every MatMulNBits node its accuracy level; return how many nodes got each."""
+_RESIDENT = """
+import os, sys, onnxruntime as ort
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+options = ort.SessionOptions(); options.intra_op_num_threads = 1; options.log_severity_level = 3
+before = rss()
+session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+print(rss() - before)
+"""
+
+
+def resident_mb(graph: Path) -> float | None:
+    """Memory a fresh process holds for the loaded graph (resident set after loading minus before), in MB:
+    the weights as ONNX Runtime keeps them. None where /proc is missing."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/statm").exists():
+        return None
+    done = subprocess.run([sys.executable, "-c", _RESIDENT, str(graph)], capture_output=True, text=True, timeout=600)
+    return round(int(done.stdout.strip()) / 1e6, 1) if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _lower(graph: Path, int8_activations: frozenset) -> dict:
+    """ONNX-Runtime-only lowerings of blocked weights in the optimized graph: each MatMulNBits node's
+    accuracy level, and GatherBlockQuantized for an embedding read through DequantizeLinear (which
+    ONNX Runtime 1.32 would otherwise dequantize whole on every call). Returns the accuracy-level counts."""
     import onnx
 
     model = onnx.load(str(graph))
@@ -55,5 +80,55 @@ def _set_accuracy_levels(graph: Path, int8_activations: frozenset) -> dict:
         del node.attribute[:]
         node.attribute.extend(attributes + [onnx.helper.make_attribute("accuracy_level", level)])
         counts[str(level)] = counts.get(str(level), 0) + 1
+    _gather_block_quantized(model)
     onnx.save(model, str(graph))
     return counts
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _table_dequantize(dq, inits: dict, users: list) -> bool:
+    """Whether `dq` dequantizes a 2-D int8 table along its rows and only Gather(axis 0) nodes read it."""
+    from onnx import TensorProto
+
+    table, scale = inits.get(dq.input[0]), inits.get(dq.input[1])
+    return (table is not None and scale is not None and len(dq.input) == 2 and table.data_type == TensorProto.INT8
+            and len(table.dims) == 2 and _attrs(dq).get("axis") == 1 and bool(users)
+            and all(u.op_type == "Gather" and _attrs(u).get("axis", 0) == 0 and u.input[0] == dq.output[0] for u in users))
+
+
+def _gather_block_quantized(model) -> None:
+    """DequantizeLinear(int8 table [V, K], scale [V, K/b], axis=1) read only by Gather(axis 0) nodes ->
+    GatherBlockQuantized on the table stored as uint8 with zero point 128 (the same values)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    for dq in [n for n in graph.node if n.op_type == "DequantizeLinear"]:
+        users = readers.get(dq.output[0], [])
+        if not _table_dequantize(dq, inits, users):
+            continue
+        table, scale = inits[dq.input[0]], inits[dq.input[1]]
+        data = numpy_helper.from_array((numpy_helper.to_array(table).astype(np.int16) + 128).astype(np.uint8),
+                                       f"{table.name}.u8")
+        zero = numpy_helper.from_array(np.full(tuple(scale.dims), 128, np.uint8), f"{table.name}.zero")
+        graph.initializer.extend([data, zero])
+        for gather in users:
+            fused = helper.make_node("GatherBlockQuantized", [data.name, gather.input[1], scale.name, zero.name],
+                                     list(gather.output), name=gather.name, domain="com.microsoft", gather_axis=0,
+                                     quantize_axis=1, block_size=_attrs(dq)["block_size"], bits=8)
+            graph.node.insert(list(graph.node).index(gather), fused)
+            graph.node.remove(gather)
+        graph.node.remove(dq)
+        graph.initializer.remove(table)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

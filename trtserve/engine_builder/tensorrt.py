@@ -80,6 +80,34 @@ def expected_dtypes(onnx_path: Path) -> dict[str, str]:
     return expected
 
 
+QUANTIZED_TYPES = {3: "INT8", 22: "INT4", 21: "UINT4", 2: "UINT8"}  # ONNX TensorProto element types
+
+
+def expected_quantized(onnx_path: Path) -> dict[str, int]:
+    """How many DequantizeLinear nodes read a weight of each integer type (the graph's quantized GEMMs)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and types.get(node.input[0]) in QUANTIZED_TYPES:
+            kind = QUANTIZED_TYPES[types[node.input[0]]]
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def quantized_layers(network) -> dict[str, int]:
+    """How many DEQUANTIZE layers of a parsed network read each integer type."""
+    counts: dict[str, int] = {}
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type.name == "DEQUANTIZE":
+            kind = layer.get_input(0).dtype.name
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 def layer_table(network) -> list[tuple[str, str, str]]:
     """(layer name, layer type, first output's dtype) for every layer of a parsed network."""
     rows = []
@@ -123,9 +151,13 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOption
         errors = [parser.get_error(i).desc() for i in range(parser.num_errors)]
         raise TrtServeError(f"TensorRT could not parse {onnx_path.name}: {'; '.join(errors[:3])}")
     check = check_precision(layer_table(network), expected_dtypes(onnx_path))
+    check["quantized_weights"] = quantized_layers(network)
+    wanted = expected_quantized(onnx_path)
+    if check["quantized_weights"] != wanted:
+        check["violations"].append(f"quantized weights in TensorRT {check['quantized_weights']}; in the graph {wanted}")
     if check["violations"]:
         raise TrtServeError(
-            f"{len(check['violations'])} layer(s) that the graph keeps fp32 came out fp16 in TensorRT, e.g. "
+            f"{len(check['violations'])} layer(s) that differ in type from the graph in TensorRT, e.g. "
             f"{check['violations'][0]}; nothing was written. Rebuild with --precision fp32, or report the graph")
     config = builder.create_builder_config()
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED

@@ -7,7 +7,8 @@ quantized layer (an INT4/INT8 constant, DEQUANTIZE, MATRIX_MULTIPLY). A block mi
 w = d * q + m) has no place in DequantizeLinear, whose zero point is an integer; it is carried
 exactly by its share of the product, x @ M[block] summed over each block of x:
     x @ W = x @ DQ(q, d) + blocksum(x) @ M,   blocksum(x)[..., b] = sum of x[..., 32b:32b+32].
-An embedding table read by Gather gathers the integer rows and their scales, then multiplies.
+An embedding table read by Gather reads it through DequantizeLinear too (ONNX Runtime's optimized graph
+turns the pair into GatherBlockQuantized, which dequantizes the gathered rows only).
 """
 
 from __future__ import annotations
@@ -84,33 +85,15 @@ class Rewrite:
         self.after.append(helper.make_node("Add", [f"{base}.scaled", f"{base}.shift"], [y], name=f"{base}.add_shift"))
 
     def gather(self, node, blocks: Blocks) -> None:
-        """Rewire Gather(table, ids) to gather integer rows and their scales, then dequantize them."""
-        base, ids, y = node.name or node.output[0], node.input[1], node.output[0]
-        k, rank = blocks.q.shape[1], self.ranks[ids]
-        q = int_tensor(blocks.q, f"{base}.table.q", "int8" if blocks.format == "Q8_0" else "uint8")  # Gather reads bytes
+        """Rewire Gather(table, ids) to gather from DequantizeLinear(q, scale, axis=1) (Q8_0 tables only:
+        a Q4_1 minimum has no DequantizeLinear form, and TensorRT takes an integer constant only before one)."""
+        base = node.name or node.output[0]
+        q = int_tensor(blocks.q, f"{base}.table.q", "int8")
         self.initializers.append(q)
         scale = self.constant(np.ascontiguousarray(blocks.scale), f"{base}.table.scale")
-        split = self.constant(np.array([0] * rank + [k // BLOCK, BLOCK], np.int64), f"{base}.table.blocks")
-        joined = self.constant(np.array([0] * rank + [k], np.int64), f"{base}.table.row")
-        last = self.constant(np.array([-1], np.int64), f"{base}.table.axis")
-        node.input[0], node.output[0] = q.name, f"{base}.q"
-        self.after += [
-            helper.make_node("Cast", [f"{base}.q"], [f"{base}.qf"], name=f"{base}.cast", to=TensorProto.FLOAT),
-            helper.make_node("Reshape", [f"{base}.qf", split], [f"{base}.qb"], name=f"{base}.split"),
-            helper.make_node("Gather", [scale, ids], [f"{base}.s"], name=f"{base}.gather_scale"),
-            helper.make_node("Unsqueeze", [f"{base}.s", last], [f"{base}.s1"], name=f"{base}.unsqueeze_scale"),
-            helper.make_node("Mul", [f"{base}.qb", f"{base}.s1"], [f"{base}.wb"], name=f"{base}.scale"),
-        ]
-        out = f"{base}.wb"
-        if blocks.minimum is not None:
-            minimum = self.constant(np.ascontiguousarray(blocks.minimum), f"{base}.table.minimum")
-            self.after += [
-                helper.make_node("Gather", [minimum, ids], [f"{base}.m"], name=f"{base}.gather_minimum"),
-                helper.make_node("Unsqueeze", [f"{base}.m", last], [f"{base}.m1"], name=f"{base}.unsqueeze_minimum"),
-                helper.make_node("Add", [out, f"{base}.m1"], [f"{base}.wm"], name=f"{base}.shift"),
-            ]
-            out = f"{base}.wm"
-        self.after.append(helper.make_node("Reshape", [out, joined], [y], name=f"{base}.join"))
+        self.nodes.append(helper.make_node("DequantizeLinear", [q.name, scale], [f"{base}.table"],
+                                           name=f"{base}.table.dq", axis=1, block_size=BLOCK))
+        node.input[0] = f"{base}.table"
 
     def take(self) -> tuple[list, list]:
         before, after = self.nodes, self.after

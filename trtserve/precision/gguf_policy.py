@@ -56,6 +56,8 @@ def apply_gguf(model, gguf: Path, keep: frozenset = frozenset()):
             blocks = index.match(rows) if rows.shape[1] % BLOCK == 0 else None
             if blocks is None:
                 report["fp32"][node.name] = f"weight {weight} {list(rows.shape)}: no GGUF Q4_1/Q8_0 tensor holds these rows"
+            elif kind == "embeddings" and blocks.minimum is not None:
+                report["fp32"][node.name] = f"embedding {weight}: {blocks.format} tables stay fp32 (no DequantizeLinear form)"
             else:
                 (rewrite.matmul if kind == "gemms" else rewrite.gather)(node, blocks)
                 report[kind][node.name] = {"format": blocks.format, "gguf_tensor": blocks.name,

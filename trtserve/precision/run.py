@@ -121,6 +121,11 @@ def summary(fidelity: dict) -> str:
     return f"{verdict} at lengths {fidelity['lengths']} on {fidelity['text']}: " + "; ".join(parts)
 
 
+def screen_summary(report: dict, lengths: list[int], text: str) -> str:
+    """summary() of one Harness.run report (a screen: no emulation, prefill only)."""
+    return summary({"onnxruntime": report, "passed": report["passed"], "lengths": lengths, "text": text}) + ", prefill only"
+
+
 def remeasure(engine, calibration=None) -> dict:
     """`trtserve fidelity`: measure an existing engine again, on any text."""
     from trtserve.engine_builder.build import fp32_export
