@@ -27,6 +27,7 @@ def tiny(tmp_path_factory):
     rng = np.random.default_rng(0)
     arrays = {"token_embd.weight": (rng.standard_normal((VOCAB, HIDDEN)), Q8_0),
               "blk.0.ffn_up.weight": (rng.standard_normal((FFN, HIDDEN)), Q4_1),
+              "blk.0.ffn_gate.weight": (rng.standard_normal((FFN, HIDDEN)), Q4_1),
               "blk.0.ffn_down.weight": (rng.standard_normal((HIDDEN, FFN)), Q4_1)}
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -41,10 +42,13 @@ def tiny(tmp_path_factory):
     writer.close()
     order = np.random.default_rng(1).permutation(FFN)  # rows reordered, as transformers does to q/k heads
     inits = {"embed": rows["token_embd.weight"], "up": rows["blk.0.ffn_up.weight"][order].T.copy(),
+             "gate": rows["blk.0.ffn_gate.weight"].T.copy(),
              "down": rows["blk.0.ffn_down.weight"].T.copy(), "extra": rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32),
              "odd": rng.standard_normal((HIDDEN, 33)).astype(np.float32)}
     nodes = [helper.make_node("Gather", ["embed", "input_ids"], ["h0"], name="embedding"),
-             helper.make_node("MatMul", ["h0", "up"], ["h1"], name="up_proj"),
+             helper.make_node("MatMul", ["h0", "up"], ["h1u"], name="up_proj"),
+             helper.make_node("MatMul", ["h0", "gate"], ["h1g"], name="gate_proj"),
+             helper.make_node("Mul", ["h1u", "h1g"], ["h1"], name="glu"),
              helper.make_node("MatMul", ["h1", "down"], ["h2"], name="down_proj"),
              helper.make_node("MatMul", ["h2", "extra"], ["h3"], name="not_in_gguf"),
              helper.make_node("MatMul", ["h3", "odd"], ["side"], name="other_width"),
@@ -94,7 +98,10 @@ def test_graph_carries_the_blocks_and_computes_what_the_fp32_graph_does(tiny, tm
     model, report = apply_gguf(onnx.ModelProto.FromString(fp32.SerializeToString()), path)
     onnx.checker.check_model(model, full_check=True)
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 21
-    assert {k: v["format"] for k, v in report["gemms"].items()} == {"up_proj": "Q4_1", "down_proj": "Q4_1", "lm_head": "Q8_0"}
+    assert {k: v["format"] for k, v in report["gemms"].items()} == {
+        "up_proj": "Q4_1", "gate_proj": "Q4_1", "down_proj": "Q4_1", "lm_head": "Q8_0"}
+    assert report["gemms"]["gate_proj"]["computed_with"] == ["up_proj", "gate_proj"]  # one input: one GEMM
+    assert "computed_with" not in report["gemms"]["down_proj"]
     assert report["embeddings"]["embedding"]["format"] == "Q8_0"
     assert set(report["fp32"]) == {"not_in_gguf", "other_width"}
     types = {i.name: i.data_type for i in model.graph.initializer}

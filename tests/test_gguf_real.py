@@ -35,6 +35,8 @@ def test_every_gemm_and_the_embedding_read_the_gguf_blocks(gguf_engine):
     graph = manifest["precision"]["graph"]
     formats = [v["format"] for v in graph["gemms"].values()]
     assert formats.count("Q4_1") == 210  # 30 layers x (q, k, v, o, gate, up, down)
+    groups = {tuple(v["computed_with"]) for v in graph["gemms"].values() if "computed_with" in v}
+    assert len(groups) == 60 and sorted(map(len, groups)) == [2] * 30 + [3] * 30  # (q, k, v) and (gate, up)
     assert [v["format"] for v in graph["embeddings"].values()] == ["Q8_0"]
     assert set(graph["fp32"]) <= {"node_linear_210"}, "only the LM head may stay fp32 (by the activation plan)"
     assert manifest["fidelity"]["passed"]
@@ -45,16 +47,21 @@ def test_every_gemm_and_the_embedding_read_the_gguf_blocks(gguf_engine):
     assert all(t["fidelity"].startswith("FAILED") for t in backend["int8_activations_missed"])
     info = run_cli("info", str(out))
     assert info.returncode == 0 and "Q4_1 x210" in info.stdout and "int8 activations in" in info.stdout
+    assert "MB resident once loaded" in info.stdout
 
 
 def test_tensorrt_plan_has_the_int4_and_int8_weight_layers(gguf_engine):
     require_package("tensorrt_rtx", "pip install tensorrt-rtx-cu13 (TensorRT-RTX builds plans without a GPU)")
+    from trtserve.engine_builder.tensorrt import expected_quantized
+
     out, _ = gguf_engine
     manifest = json.loads((out / "manifest.json").read_text())
     check = manifest["tensorrt"]["layer_precision"]
     graph = manifest["precision"]["graph"]
     int8 = sum(v["format"] == "Q8_0" for v in [*graph["gemms"].values(), *graph["embeddings"].values()])
-    assert check["quantized_weights"] == {"INT4": 210, "INT8": int8} and not check["violations"]
+    # per layer: query+key+value as one GEMM, output, gate+up as one, down
+    assert check["quantized_weights"] == {"INT4": 30 * 4, "INT8": int8} and not check["violations"]
+    assert check["quantized_weights"] == expected_quantized(out / "model.onnx")
     assert (out / "model.plan").stat().st_size > 0
 
 
