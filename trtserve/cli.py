@@ -11,7 +11,7 @@ from pathlib import Path
 from trtserve.errors import TrtServeError
 
 
-PRECISIONS = ["fp32", "fp16", "hybrid", "auto"]
+PRECISIONS = ["fp32", "fp16", "hybrid", "auto", "gguf"]
 BACKENDS = ["auto", "onnxruntime", "tensorrt"]
 
 
@@ -19,7 +19,7 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", help="Hugging Face checkpoint directory, a .gguf file (llama family), or a "
                         "bundled model: all-MiniLM-L6-v2, SmolLM2-135M-Instruct")
     parser.add_argument("--out", required=True, type=Path, help="engine directory to write (replaced atomically)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "hybrid", "auto", "gguf"],
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
                         help="precision policy written into the graph: fp32 (default); fp16 (every op that "
                         "can be); hybrid (fp16 GEMMs, fp32 softmax/norms/reductions/rotary/mask); auto "
                         "(fp16 plus the smallest ranked set of fp32 nodes that meets the fidelity target); "
