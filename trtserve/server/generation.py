@@ -211,20 +211,17 @@ class GenerationService:
 
     def _open(self, jobs: list[Job], worker) -> Submission:
         opened = [(job, *ids) for job, ids in zip(jobs, worker.channel.open([(j.prompt, j.params) for j in jobs]))]
-        states = [{"done": False} for _ in jobs]
 
         def close():
             for _, seq_id, _ in opened:
                 worker.channel.close(seq_id)
 
-        streams = [self.pieces(job, queue.get, worker.index, state)
-                   for (job, _, queue), state in zip(opened, states)]
+        streams = [self.pieces(job, queue.get, worker.index) for job, _, queue in opened]
         return Submission(streams, close)
 
     # -- one sequence ---------------------------------------------------------------------------
-    async def pieces(self, job: Job, next_event, where: int, state: dict):
-        """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts);
-        state["done"] turns True once the sequence finished."""
+    async def pieces(self, job: Job, next_event, where: int):
+        """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts)."""
         from tokenizers.decoders import DecodeStream
 
         ids, logprobs, sent, done, tokens_sent, scored = [], [], "", False, 0, None
@@ -250,7 +247,7 @@ class GenerationService:
             cut = _first_stop(text, job.stop, len(sent))
             if cut is not None:
                 text, finish = text[:cut], "stop"
-            done = state["done"] = finish is not None
+            done = finish is not None
             safe = len(text) if done else _safe_end(text, job.stop)
             if done or (safe > len(sent) and text.startswith(sent)):
                 delta = text[len(sent):safe] if text.startswith(sent) else ""

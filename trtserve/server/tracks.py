@@ -154,9 +154,8 @@ class TrackGenerationService(GenerationService):
         self.busy, self.progress = True, time.monotonic()
         thread = threading.Thread(target=self._generate, args=(job, loop, events, cancel), daemon=True)
         thread.start()
-        state = {"done": False}
         try:
-            async for piece in self.pieces(job, events.get, 0, state):
+            async for piece in self.pieces(job, events.get, 0):
                 yield piece
         finally:
             cancel.set()
