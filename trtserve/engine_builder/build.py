@@ -91,6 +91,7 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
 
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str) -> dict:
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, resident_mb
     from trtserve.precision.run import Harness
 
     onnx_path = tmp / ONNX_FILE
@@ -124,6 +125,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     _copy_tokenizer_files(source, tmp)
     manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
     report = _precision_and_ort(tmp, manifest, policy, search_record, source, fp32_graph, target, harness, why)
+    manifest["backend"]["resident_mb"] = resident_mb(tmp / OPTIMIZED)  # of the chosen graph only
     if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback
         from trtserve.engine_builder.tensorrt import build_trt
 

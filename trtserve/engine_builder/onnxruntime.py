@@ -30,7 +30,6 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     levels = _lower(out_dir / OPTIMIZED, int8_activations) if int8_activations is not None else {}
     return {
-        "resident_mb": resident_mb(out_dir / OPTIMIZED),
         "name": "onnxruntime",
         "graph": OPTIMIZED,
         "portable_graph": onnx_path.name,
