@@ -155,17 +155,19 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
     from trtserve.precision.search import SEARCH_MAX_LENGTH
 
     onnx_path = tmp / ONNX_FILE
-    plans, tried, written = [None], [], None
+    plans, tried, written, blocks = [None], [], None, None
     if policy.weights != "float":
         import onnx
 
         from trtserve.precision.activations import plans as activation_plans
+        from trtserve.precision.gguf_blocks import BlockIndex, read_blocks
 
         plans = activation_plans(onnx.load(str(fp32_graph)))
+        blocks = BlockIndex(read_blocks(source.gguf))  # read once, though a plan may rewrite the graph from it
     for plan in plans:
         keep = plan.fp32_weights if plan else frozenset()
         if keep != written:
-            graph_report, written = _apply_precision(fp32_graph, policy, onnx_path, source, keep), keep
+            graph_report, written = _apply_precision(fp32_graph, policy, onnx_path, source, keep, blocks), keep
         label = f", int8 activations in {plan.label}" if plan else ""
         with step(f"optimizing the graph with ONNX Runtime{label}"):
             backend_entry = build_ort(onnx_path, tmp, plan.int8 if plan else None)
@@ -195,7 +197,8 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
     return report
 
 
-def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, keep: frozenset = frozenset()) -> dict:
+def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, keep: frozenset = frozenset(),
+                     blocks=None) -> dict:
     import onnx
 
     from trtserve.precision.passes import apply_policy
@@ -204,7 +207,7 @@ def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, k
         shutil.copyfile(fp32_graph, out)
         return {}
     if policy.weights == "gguf":
-        return _apply_gguf(fp32_graph, out, source, keep)
+        return _apply_gguf(fp32_graph, out, source, keep, blocks)
     with step(f"writing the {policy.name} precision policy into the graph"):
         mixed, report = apply_policy(onnx.load(str(fp32_graph)), policy)
         onnx.save(mixed, str(out))
@@ -215,13 +218,13 @@ def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, k
     return report.to_json()
 
 
-def _apply_gguf(fp32_graph: Path, out: Path, source: ModelSource, keep: frozenset) -> dict:
+def _apply_gguf(fp32_graph: Path, out: Path, source: ModelSource, keep: frozenset, blocks) -> dict:
     import onnx
 
     from trtserve.precision.gguf_policy import apply_gguf
 
     with step(f"carrying the blocks of {source.gguf.name} into the graph"):
-        model, report = apply_gguf(onnx.load(str(fp32_graph)), source.gguf, keep)
+        model, report = apply_gguf(onnx.load(str(fp32_graph)), source.gguf, keep, blocks)
         onnx.save(model, str(out))
         onnx.checker.check_model(str(out), full_check=True)
     formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])

@@ -32,14 +32,15 @@ def _weight_rows(name: str, inits: dict, producers: dict) -> tuple[np.ndarray | 
 KEPT = "kept fp32 by the activation plan: fp32 activations, and no fast kernel for 8-bit weights on them"
 
 
-def apply_gguf(model, gguf: Path, keep: frozenset = frozenset()):
+def apply_gguf(model, gguf: Path, keep: frozenset = frozenset(), index: BlockIndex | None = None):
     """Rewrite `model` (an fp32 export of the checkpoint converted from `gguf`) in place; return it and a report.
 
-    GEMMs named in `keep` keep their fp32 weights. GEMMs that read one input with blocks of one format
+    GEMMs named in `keep` keep their fp32 weights; `index` is the file's blocks when the caller already read
+    them (a build that rewrites the graph for several activation plans). GEMMs that read one input with blocks of one format
     (a layer's query, key and value; gate and up) become one GEMM over their concatenated rows and a
     Split: fewer, wider kernels and one block-minimum product instead of several."""
     graph = model.graph
-    found, report = _match(graph, BlockIndex(read_blocks(gguf)), keep)
+    found, report = _match(graph, index or BlockIndex(read_blocks(gguf)), keep)
     report["source"] = gguf.name
     groups: dict[tuple, list] = {}
     for node in graph.node:
