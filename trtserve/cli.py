@@ -11,7 +11,7 @@ from pathlib import Path
 from trtserve.errors import TrtServeError
 
 
-PRECISIONS = ["fp32", "fp16", "hybrid", "auto", "gguf"]
+PRECISIONS = ["fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4"]
 BACKENDS = ["auto", "onnxruntime", "tensorrt"]
 
 
@@ -24,7 +24,9 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "can be); hybrid (fp16 GEMMs, fp32 softmax/norms/reductions/rotary/mask); auto "
                         "(fp16 plus the smallest ranked set of fp32 nodes that meets the fidelity target); "
                         "gguf (a GGUF checkpoint's own Q4_1/Q8_0 blocks in its GEMMs and embeddings, not "
-                        "re-quantized)")
+                        "re-quantized); int8, int4 (GEMM and embedding weights quantized in blocks of 32 by ONNX "
+                        "Runtime's quantizer; the most sensitive weights, measured one by one on the calibration "
+                        "text, kept at 8 bits (int4) or fp32 (int8) as the fidelity target needs)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="text file to measure fidelity on (default: bundled Wikipedia sample)")
     parser.add_argument("--fidelity-target", default="",

@@ -112,7 +112,8 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
         "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
     }
     policy = get_policy(cfg.precision)
-    target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32" else Target())
+    target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32"
+                                     else Target.for_weights(policy.weights, source.info.kind))
     harness = Harness(artifact.EngineDir(tmp, manifest), source, target, cfg.calibration)
     search_record = None
     if policy.name == "auto":
@@ -160,12 +161,11 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
         import onnx
 
         from trtserve.precision.activations import plans as activation_plans
-        from trtserve.precision.gguf_blocks import BlockIndex, read_blocks
 
         plans = activation_plans(onnx.load(str(fp32_graph)))
-        blocks = BlockIndex(read_blocks(source.gguf))  # read once, though a plan may rewrite the graph from it
+        blocks = _weight_blocks(policy, source, fp32_graph, harness, target)  # once, for every plan
     for plan in plans:
-        keep = plan.fp32_weights if plan else frozenset()
+        keep = (plan.fp32_weights if policy.weights == "gguf" else plan.int8) if plan else frozenset()
         if keep != written:
             graph_report, written = _apply_precision(fp32_graph, policy, onnx_path, source, keep, blocks), keep
         label = f", int8 activations in {plan.label}" if plan else ""
@@ -197,6 +197,29 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
     return report
 
 
+def _weight_blocks(policy, source: ModelSource, fp32_graph: Path, harness, target):
+    """What a quantized-weight policy writes from: the GGUF file's blocks, or each weight's measured format."""
+    import onnx
+
+    if policy.weights == "gguf":
+        from trtserve.precision.gguf_blocks import BlockIndex, read_blocks
+
+        return BlockIndex(read_blocks(source.gguf))
+    from trtserve.precision.quant_policy import candidates
+    from trtserve.precision.sensitivity import CALIBRATION_LENGTH, CALIBRATION_ROWS, choose
+
+    weights, eight_bit = candidates(onnx.load(str(fp32_graph)))
+    try:
+        rows = harness.corpus.rows(harness.tokenizer, CALIBRATION_ROWS, CALIBRATION_LENGTH,
+                                   special=source.info.kind == "encoder")
+    except ValueError as exc:
+        raise TrtServeError(f"--calibration: {exc}; the {policy.name} policy measures each weight's sensitivity on "
+                            f"{CALIBRATION_ROWS} rows of {CALIBRATION_LENGTH} tokens") from None
+    with step(f"{policy.name} weights: sensitivity of {len(weights)} weights on {harness.corpus.name}, then the mix"):
+        return choose(harness.reference, source.info.kind, weights, eight_bit, policy.weights, target, rows,
+                      cache_dir=cache_root() / "sensitivity")
+
+
 def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, keep: frozenset = frozenset(),
                      blocks=None) -> dict:
     import onnx
@@ -208,6 +231,8 @@ def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, k
         return {}
     if policy.weights == "gguf":
         return _apply_gguf(fp32_graph, out, source, keep, blocks)
+    if policy.weights != "float":
+        return _apply_quantized(fp32_graph, out, policy, keep, blocks)
     with step(f"writing the {policy.name} precision policy into the graph"):
         mixed, report = apply_policy(onnx.load(str(fp32_graph)), policy)
         onnx.save(mixed, str(out))
@@ -230,6 +255,21 @@ def _apply_gguf(fp32_graph: Path, out: Path, source: ModelSource, keep: frozense
     formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
     say(f"precision: gguf: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings read GGUF blocks ("
         + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) + f"), {len(report['fp32'])} weights stay fp32")
+    return report
+
+
+def _apply_quantized(fp32_graph: Path, out: Path, policy, int8_activations: frozenset, choice) -> dict:
+    import onnx
+
+    from trtserve.precision.quant_policy import apply_quantized
+
+    with step(f"writing {policy.name} weights into the graph"):
+        model, report = apply_quantized(onnx.load(str(fp32_graph)), choice, int8_activations)
+        onnx.save(model, str(out))
+        onnx.checker.check_model(str(out), full_check=True)
+    formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
+    say(f"precision: {policy.name}: " + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
+        + f", {len(report['fp32'])} weights fp32")
     return report
 
 

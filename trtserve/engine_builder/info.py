@@ -72,6 +72,12 @@ def _graph(report: dict) -> str:
         from collections import Counter
 
         formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
+        if "source" not in report:  # quantized here, each weight's format chosen by measured sensitivity
+            return (f" ({len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings quantized, "
+                    + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
+                    + f"; {len(report['fp32'])} weights fp32; the {report['kept_safer']} most sensitive kept safer; "
+                    "on calibration text " + ", ".join(f"{k} {v:.4g}" for k, v in report["calibration"].items()
+                                                       if k != "effect") + ")")
         return (f" (from {report['source']}: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings "
                 "read its blocks, " + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
                 + f"; {len(report['fp32'])} weights fp32)")

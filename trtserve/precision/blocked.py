@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trtserve.precision.gguf_blocks import BLOCK, Blocks
 
 OPSET = 21  # blocked DequantizeLinear and the 4-bit types
+INT8_FORMATS = ("Q8_0", "int8")
 
 
 def int_tensor(values: np.ndarray, name: str, dtype: str) -> TensorProto:
@@ -69,7 +70,7 @@ class Rewrite:
         if blocks.minimum is not None:
             blocks = Blocks(blocks.name, blocks.format, blocks.q.astype(np.int8) - 8, blocks.scale,
                             blocks.minimum + 8 * blocks.scale)
-        q = int_tensor(blocks.q.T, f"{base}.weight.q", "int8" if blocks.format == "Q8_0" else "int4")
+        q = int_tensor(blocks.q.T, f"{base}.weight.q", "int8" if blocks.format in INT8_FORMATS else "int4")
         self.initializers.append(q)
         scale = self.constant(np.ascontiguousarray(blocks.scale.T), f"{base}.weight.scale")
         self.nodes.append(helper.make_node("DequantizeLinear", [q.name, scale], [f"{base}.weight"],
@@ -100,3 +101,103 @@ class Rewrite:
         self.nodes, self.after = [], []
         return before, after
 
+
+def write_blocks(model, found: dict, report: dict) -> None:
+    """Rewire every node in `found` ({name: ("gemms" | "embeddings", Blocks)}) to read its blocks, in place.
+
+    GEMMs that read one input with blocks of one format (a layer's query, key and value; gate and up)
+    become one GEMM over their concatenated rows and a Split: fewer, wider kernels and one block-minimum
+    product instead of several. `report["gemms"][name]` gains "computed_with" for those."""
+    graph = model.graph
+    groups: dict[tuple, list] = {}
+    for node in graph.node:
+        if node.name in found and found[node.name][0] == "gemms":
+            blocks = found[node.name][1]
+            groups.setdefault((node.input[0], blocks.format, blocks.minimum is None), []).append(node)
+    rewrite, nodes, fused_away = Rewrite(_ranks(graph)), [], set()
+    for node in graph.node:
+        if node.name in fused_away:
+            continue
+        if node.name in found:
+            kind, blocks = found[node.name]
+            group = groups.get((node.input[0], blocks.format, blocks.minimum is None), []) if kind == "gemms" else []
+            if len(group) > 1:
+                _fuse(rewrite, group, [found[n.name][1] for n in group], report)
+                fused_away.update(n.name for n in group[1:])
+            else:
+                (rewrite.matmul if kind == "gemms" else rewrite.gather)(node, blocks)
+        before, after = rewrite.take()
+        nodes += before + [node] + after
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(rewrite.initializers)
+    _drop_dead(graph)
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, OPSET)
+
+
+def _ranks(graph) -> dict:
+    values = list(graph.value_info) + list(graph.input) + list(graph.output)
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
+
+
+def weight_rows(name: str, inits: dict, producers: dict) -> tuple[np.ndarray | None, str | None]:
+    """The [N, K] rows of a MatMul's fp32 weight: an initializer [K, N], or Transpose of one [N, K]."""
+    if name in inits:
+        return numpy_helper.to_array(inits[name]).T, name
+    node = producers.get(name)
+    if node is not None and node.op_type == "Transpose" and node.input[0] in inits \
+            and list(helper.get_attribute_value(a) for a in node.attribute if a.name == "perm") in ([], [[1, 0]]):
+        return numpy_helper.to_array(inits[node.input[0]]), node.input[0]
+    return None, None
+
+
+def weight_candidates(graph) -> list[tuple]:
+    """(node, "gemms" | "embeddings", fp32 rows [N, K], weight name) for each MatMul with a constant 2-D weight
+    and each Gather(axis 0) on a 2-D initializer table."""
+    inits = {i.name: i for i in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    out = []
+    for node in graph.node:
+        rows = None
+        if node.op_type == "MatMul":
+            rows, weight = weight_rows(node.input[1], inits, producers)
+            kind = "gemms"
+        elif node.op_type == "Gather" and node.input[0] in inits and not any(a.name == "axis" and a.i for a in node.attribute):
+            rows, weight, kind = numpy_helper.to_array(inits[node.input[0]]), node.input[0], "embeddings"
+        if rows is not None and rows.dtype == np.float32 and rows.ndim == 2:
+            out.append((node, kind, rows, weight))
+    return out
+
+
+def _fuse(rewrite: Rewrite, group: list, blocks: list[Blocks], report: dict) -> None:
+    """One MatMul over the rows of every GEMM in `group` (they share their input), split back."""
+    first = group[0]
+    joined = Blocks("+".join(b.name for b in blocks), blocks[0].format, np.concatenate([b.q for b in blocks]),
+                    np.concatenate([b.scale for b in blocks]),
+                    None if blocks[0].minimum is None else np.concatenate([b.minimum for b in blocks]))
+    outputs = [n.output[0] for n in group]
+    first.output[0] = f"{first.name}.joined"
+    rewrite.matmul(first, joined)
+    sizes = rewrite.constant(np.array([b.q.shape[0] for b in blocks], np.int64), f"{first.name}.split_sizes")
+    rewrite.after.append(helper.make_node("Split", [f"{first.name}.joined", sizes], outputs, name=f"{first.name}.split",
+                                          axis=-1))
+    for node in group:
+        report["gemms"][node.name]["computed_with"] = [n.name for n in group]
+
+
+def _drop_dead(graph) -> None:
+    """Remove nodes nothing reads (the fp32 Transpose of a rewired weight) and unused initializers."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = {i for n in graph.node for i in n.input} | outputs
+        dead = [n for n in graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    used = {i for n in graph.node for i in n.input} | outputs
+    keep = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)

@@ -35,6 +35,18 @@ class Target:
         return cls(min_cosine=0.99999, min_token_cosine=0.9999, min_top1=1.0, max_ppl_delta=1e-3, max_abs_error=1e-4)
 
     @classmethod
+    def for_weights(cls, weights: str, kind: str) -> "Target":
+        """The default target of a policy by its weight format: decoders are judged by top-1 agreement and
+        perplexity (logit cosines only guard against garbage), encoders by their embeddings' cosines."""
+        if weights == "int8":
+            return cls(min_cosine=0.9995, min_token_cosine=0.999) if kind == "encoder" else \
+                cls(min_cosine=0.995, min_token_cosine=0.95, min_top1=0.99, max_ppl_delta=0.01)
+        if weights == "int4":
+            return cls(min_cosine=0.999, min_token_cosine=0.995) if kind == "encoder" else \
+                cls(min_cosine=0.98, min_token_cosine=0.8, min_top1=0.97, max_ppl_delta=0.03)
+        return cls()
+
+    @classmethod
     def parse(cls, text: str) -> "Target":
         """'cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005' (any subset)."""
         keys = {"cosine": "min_cosine", "token_cosine": "min_token_cosine", "top1": "min_top1",

@@ -36,7 +36,7 @@ class Policy:
     follow: frozenset = field(default_factory=lambda: MOVEMENT_OPS | ELEMENTWISE_OPS)
     fp32_nodes: frozenset = frozenset()  # node names kept fp32 explicitly (auto policy)
     low_embeddings: bool = False  # embedding tables (Gather on an initializer) stored and read low
-    weights: str = "float"  # "gguf": GEMM and embedding weights read the checkpoint's own GGUF blocks
+    weights: str = "float"  # "gguf": the checkpoint's own GGUF blocks; "int8"/"int4": blocks quantized here
 
     @property
     def everything(self) -> bool:
@@ -64,6 +64,10 @@ POLICIES = {
     "auto": Policy("auto", anchors=frozenset({"*"})),
     # a GGUF checkpoint's Q4_1/Q8_0 blocks carried into the graph as they are (precision.gguf_policy)
     "gguf": Policy("gguf", weights="gguf"),
+    # GEMM and embedding weights quantized in blocks by ONNX Runtime's quantizer, each weight's format chosen by
+    # measured sensitivity (precision.sensitivity, precision.quant_policy): int8, or int4 with int8 where needed
+    "int8": Policy("int8", weights="int8"),
+    "int4": Policy("int4", weights="int4"),
 }
 
 

@@ -1,0 +1,67 @@
+"""The int8 and int4 policies on the bundled checkpoints, built through the CLI and gated on their default
+targets against torch fp32: every weight's format and measured sensitivity in the manifest, a summary in
+`trtserve info`, and a calibration text too short for the measurement refused with the minimum."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.models
+
+
+def _build(tmp_path_factory, model: str, precision: str, *extra: str):
+    out = tmp_path_factory.mktemp(precision) / model
+    result = run_cli("build-engine", model, "--out", str(out), "--precision", precision, "--max-batch", "8", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def minilm_int8(tmp_path_factory):
+    return _build(tmp_path_factory, "all-MiniLM-L6-v2", "int8")
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(tmp_path_factory):
+    return _build(tmp_path_factory, "SmolLM2-135M-Instruct", "int4", "--max-seq", "512")
+
+
+def test_minilm_int8_meets_the_encoder_target_with_every_weight_measured(minilm_int8):
+    out, manifest = minilm_int8
+    graph = manifest["precision"]["graph"]
+    assert manifest["fidelity"]["passed"] and manifest["fidelity"]["target"]["min_token_cosine"] == 0.999
+    gemms, fp32 = graph["gemms"], graph["fp32"]
+    assert len(gemms) + len([k for k in fp32 if k not in graph["embeddings"]]) == 36  # 6 layers x (q, k, v, o, 2 FFN)
+    assert {v["format"] for v in gemms.values()} == {"int8"}
+    assert all(v["sensitivity"] > 0 and v["module"] for v in gemms.values())
+    assert len(graph["embeddings"]) == 3 and {v["format"] for v in graph["embeddings"].values()} == {"int8"}
+    assert all(v["reason"] for v in fp32.values())
+    info = run_cli("info", str(out))
+    assert info.returncode == 0 and "embeddings quantized, int8 x" in info.stdout and "most sensitive" in info.stdout
+
+
+def test_smollm2_int4_meets_the_int4_target(smollm2_int4):
+    out, manifest = smollm2_int4
+    graph = manifest["precision"]["graph"]
+    fidelity = manifest["fidelity"]
+    assert fidelity["passed"] and fidelity["target"]["min_top1"] == 0.97 and fidelity["target"]["max_ppl_delta"] == 0.03
+    formats = [v["format"] for v in graph["gemms"].values()]
+    assert formats.count("int4") >= 150, formats  # most GEMMs at 4 bits (30 layers x 7 in all)
+    assert all("sensitivity" in v for v in graph["gemms"].values())
+    assert [v["format"] for v in graph["embeddings"].values()] == ["int8"]
+    files = manifest["files"]
+    assert files["model.onnx"]["size"] < 200e6  # the fp32 graph holds 540 MB of weights
+    assert manifest["backend"]["int8_activations"]
+
+
+def test_a_calibration_text_too_short_is_refused_with_the_minimum(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to calibrate on.\n")
+    result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(tmp_path / "e"), "--precision", "int8",
+                     "--calibration", str(short))
+    assert result.returncode != 0 and not (tmp_path / "e").exists()
+    assert "measures each weight's sensitivity on 4 rows of 128 tokens" in result.stderr, result.stderr[-2000:]
