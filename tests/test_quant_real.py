@@ -4,11 +4,12 @@ targets against torch fp32: every weight's format and measured sensitivity in th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import require_package, run_cli
 
 pytestmark = pytest.mark.models
 
@@ -27,7 +28,9 @@ def minilm_int8(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_int4(tmp_path_factory):
-    return _build(tmp_path_factory, "SmolLM2-135M-Instruct", "int4", "--max-seq", "512")
+    # TensorRT-RTX (a CI dependency) builds the plan beside the ONNX Runtime graph without a GPU
+    trt = ["--backend", "tensorrt"] if importlib.util.find_spec("tensorrt_rtx") else []
+    return _build(tmp_path_factory, "SmolLM2-135M-Instruct", "int4", "--max-seq", "512", *trt)
 
 
 def test_minilm_int8_meets_the_encoder_target_with_every_weight_measured(minilm_int8):
@@ -56,6 +59,17 @@ def test_smollm2_int4_meets_the_int4_target(smollm2_int4):
     files = manifest["files"]
     assert files["model.onnx"]["size"] < 200e6  # the fp32 graph holds 540 MB of weights
     assert manifest["backend"]["int8_activations"]
+
+
+def test_tensorrt_plan_of_the_int4_engine_has_its_int4_weight_layers(smollm2_int4):
+    require_package("tensorrt_rtx", "pip install tensorrt-rtx-cu13 (TensorRT-RTX builds plans without a GPU)")
+    from trtserve.engine_builder.tensorrt import expected_quantized
+
+    out, manifest = smollm2_int4
+    check = manifest["tensorrt"]["layer_precision"]
+    assert check["quantized_weights"] == expected_quantized(out / "model.onnx") and not check["violations"]
+    assert check["quantized_weights"]["INT4"] >= 100  # joined (q, k, v), o, (gate, up), down: 4 a layer at most
+    assert (out / "model.plan").stat().st_size > 0
 
 
 def test_a_calibration_text_too_short_is_refused_with_the_minimum(tmp_path):
