@@ -47,3 +47,30 @@ def test_a_nan_row_makes_the_worst_row_cosine_nan_not_one():
     out[1, 2] = np.nan
     assert np.isnan(worst_row_cosine(ref, out))
     assert worst_row_cosine(np.zeros((1, 4)), np.ones((1, 4))) == 0.0
+
+
+def test_sentence_metrics_are_checked_only_where_the_target_asks():
+    from trtserve.precision.measure import Target, failures
+
+    report = {"cases": {}, "sentences": {"mean_cosine": 0.9990, "worst_cosine": 0.99, "neighbours": 0.93,
+                                         "sentiment_flips": 2, "sentiment_held_out": 60}}
+    assert failures(report, Target()) == []
+    missed = failures(report, Target.for_weights("int8", "encoder"))
+    assert missed == ["sentences: mean sentence cosine 0.999 < 0.9995",
+                      "sentences: top-10 neighbour agreement 0.93 < 0.95",
+                      "sentences: sentiment predictions changed 2 > 1"]
+    report["sentences"]["mean_cosine"] = float("nan")
+    assert "mean sentence cosine nan" in failures(report, Target(min_mean_cosine=0.9))[0]
+    assert Target.parse("neighbours=0.9,flips=0,mean_cosine=0.999") == Target(min_neighbours=0.9, max_flips=0,
+                                                                              min_mean_cosine=0.999)
+
+
+def test_neighbour_agreement_counts_shared_top10_neighbours():
+    from trtserve.precision.measure import _neighbour_agreement
+
+    x = np.random.default_rng(0).standard_normal((40, 8))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    assert _neighbour_agreement(x, x) == 1.0
+    y = np.random.default_rng(1).standard_normal((40, 8))
+    y /= np.linalg.norm(y, axis=1, keepdims=True)
+    assert _neighbour_agreement(x, y) < 0.6

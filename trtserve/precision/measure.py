@@ -29,6 +29,10 @@ class Target:
     max_ppl_delta: float = 0.005
     max_abs_error: float | None = None  # encoder outputs, fp32 parity only
     max_nonfinite: int = 0
+    # encoders, on the labelled real sentences (`sentences` in the report); None: not checked
+    min_mean_cosine: float | None = None  # mean sentence-embedding cosine
+    min_neighbours: float | None = None  # top-10 nearest-neighbour agreement
+    max_flips: int | None = None  # held-out predictions of the sentiment head that change
 
     @classmethod
     def parity(cls) -> "Target":
@@ -39,7 +43,8 @@ class Target:
         """The default target of a policy by its weight format: decoders are judged by top-1 agreement and
         perplexity (logit cosines only guard against garbage), encoders by their embeddings' cosines."""
         if weights == "int8":
-            return cls(min_cosine=0.9995, min_token_cosine=0.999) if kind == "encoder" else \
+            return cls(min_cosine=0.9995, min_token_cosine=0.999, min_mean_cosine=0.9995, min_neighbours=0.95,
+                       max_flips=1) if kind == "encoder" else \
                 cls(min_cosine=0.995, min_token_cosine=0.95, min_top1=0.99, max_ppl_delta=0.01)
         if weights == "int4":
             return cls(min_cosine=0.999, min_token_cosine=0.995) if kind == "encoder" else \
@@ -50,13 +55,14 @@ class Target:
     def parse(cls, text: str) -> "Target":
         """'cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005' (any subset)."""
         keys = {"cosine": "min_cosine", "token_cosine": "min_token_cosine", "top1": "min_top1",
-                "ppl_delta": "max_ppl_delta", "max_abs": "max_abs_error"}
+                "ppl_delta": "max_ppl_delta", "max_abs": "max_abs_error", "mean_cosine": "min_mean_cosine",
+                "neighbours": "min_neighbours", "flips": "max_flips"}
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, _, value = item.partition("=")
             if key not in keys:
                 raise ValueError(f"unknown fidelity key {key!r}; use {', '.join(keys)}")
-            values[keys[key]] = float(value)
+            values[keys[key]] = int(float(value)) if key == "flips" else float(value)
         return cls(**values)
 
 
@@ -121,7 +127,54 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
             "hidden": compare(ref[keep], out["last_hidden_state"][keep]),
             "embedding": compare(ref_pooled, out["sentence_embedding"]),
         }
-    return {"text": corpus.name, "cases": cases}
+    return {"text": corpus.name, "cases": cases, "sentences": sentences_report(backend, ref_model, tokenizer)}
+
+
+NEIGHBOURS = 10
+
+
+def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
+    """Sentence embeddings of the labelled real sentences (each batch padded to its longest): mean and
+    worst cosine, top-10 nearest-neighbour agreement, and how many held-out predictions of a sentiment
+    head trained on the reference's embeddings change."""
+    import torch
+
+    from trtserve.eval.sentiment import POLARITY_FILE, polarity, predict, split, train_head
+
+    texts, labels = polarity()
+    names = {spec.name for spec in backend.inputs}
+    chunk = min(32, backend.engine.manifest["shapes"]["batch"]["max"])
+    max_seq = backend.engine.manifest["shapes"]["sequence"]["max"]
+    ours, ref = [], []
+    for i in range(0, len(texts), chunk):
+        enc = tokenizer(texts[i:i + chunk], padding=True, truncation=True, max_length=max_seq, return_tensors="np")
+        feeds = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in names}
+        ours.append(backend.infer(feeds)["sentence_embedding"])
+        with torch.inference_mode():
+            hidden = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
+        weights = feeds["attention_mask"][..., None].astype(np.float64)
+        ref.append((hidden * weights).sum(1) / weights.sum(1))
+    ours, ref = np.concatenate(ours).astype(np.float64), np.concatenate(ref)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    cos = (unit(ours) * unit(ref)).sum(1)
+    train, test = split(len(labels))
+    head = train_head(ref[train], labels[train])
+    return {"data": f"{len(texts)} Pang & Lee polarity sentences ({POLARITY_FILE}, gensim)",
+            "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min()) if np.isfinite(ours).all() else float("nan"),
+            "neighbours": _neighbour_agreement(unit(ref), unit(ours)),
+            "sentiment_flips": int(np.sum(predict(head, ref[test]) != predict(head, ours[test]))),
+            "sentiment_held_out": int(len(test))}
+
+
+def _neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean share of each sentence's top-10 neighbours (by cosine, itself excluded) that both agree on."""
+    k = min(NEIGHBOURS, len(a) - 1)
+    tops = []
+    for x in (a, b):
+        sim = x @ x.T
+        np.fill_diagonal(sim, -np.inf)
+        tops.append(np.argsort(-sim, axis=1)[:, :k])
+    return float(np.mean([len(set(p) & set(q)) / k for p, q in zip(*tops)])) if k > 0 else 1.0
 
 
 def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, decode: bool = True) -> dict:
@@ -209,6 +262,15 @@ def failures(report: dict, target: Target) -> list[str]:
             out.append(f"{label}: top-1 agreement {case['top1_agreement']:.4f} < {target.min_top1}")
         if "perplexity_rel_delta" in case and not case["perplexity_rel_delta"] <= target.max_ppl_delta:
             out.append(f"{label}: perplexity delta {case['perplexity_rel_delta']:.2e} > {target.max_ppl_delta}")
+    sentences = report.get("sentences")
+    if sentences:
+        checks = [("mean_cosine", target.min_mean_cosine, "mean sentence cosine", True),
+                  ("neighbours", target.min_neighbours, "top-10 neighbour agreement", True),
+                  ("sentiment_flips", target.max_flips, "sentiment predictions changed", False)]
+        for key, bound, what, at_least in checks:
+            value = sentences[key]
+            if bound is not None and not (value >= bound if at_least else value <= bound):
+                out.append(f"sentences: {what} {value:.6g} {'<' if at_least else '>'} {bound}")
     return out
 
 

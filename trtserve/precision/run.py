@@ -116,6 +116,11 @@ def summary(fidelity: dict) -> str:
                 f"max abs {w['max_abs_error']:.2e}, NaN/Inf {w['nonfinite']}")
         if "top1" in w:
             text += f", top-1 {w['top1']:.2%}, ppl delta {w['ppl_delta']:.2e}"
+        sentences = fidelity[name].get("sentences")
+        if sentences:
+            text += (f"; {sentences['data'].split(' (')[0]}: mean cos {sentences['mean_cosine']:.6f}, worst "
+                     f"{sentences['worst_cosine']:.6f}, top-10 neighbours {sentences['neighbours']:.1%}, sentiment "
+                     f"flips {sentences['sentiment_flips']} of {sentences['sentiment_held_out']}")
         parts.append(text)
     verdict = "passed" if fidelity["passed"] else "FAILED"
     return f"{verdict} at lengths {fidelity['lengths']} on {fidelity['text']}: " + "; ".join(parts)
