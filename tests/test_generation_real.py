@@ -72,6 +72,56 @@ def test_continuous_batching_matches_one_sequence_greedy_decoding(smollm2):
     assert kept == alone[PROMPTS[1]][:4] and not batcher.has_work()
 
 
+def test_chunked_prefill_gives_what_one_prefill_call_gives_and_keeps_streams_moving(smollm2):
+    from trtserve.runtime import load_backend
+    from trtserve.runtime.batching import ContinuousBatcher
+    from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.text import TextEngine
+
+    backend = load_backend(smollm2)
+    text = TextEngine(backend)
+    prompts = {p: text.tokenize([p], add_special_tokens=False)[0] for p in PROMPTS}
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+    def run(max_prefill_tokens):
+        batcher = ContinuousBatcher(backend, text.eos_ids, 4, 64, max_prefill_tokens=max_prefill_tokens)
+        got, firsts, moving = {p: [] for p in PROMPTS}, {}, []
+        joins = {0: PROMPTS[:1], 1: PROMPTS[1:3], 9: PROMPTS[3:]}
+        step = 0
+        while step < 10 or batcher.has_work():
+            for p in joins.get(step, []):
+                batcher.add(p, prompts[p], scored if p == PROMPTS[3] else greedy)
+            running = {s.id for s in batcher.batch.seqs}
+            events = batcher.step()
+            if batcher.newcomers and running:  # a chunk was fed while these were running
+                moving.append(running <= {e.id for e in events})
+            for event in events:
+                got[event.id].append(event.token)
+                if event.prompt_logprobs is not None:
+                    firsts[event.id] = event.prompt_logprobs
+            step += 1
+        return got, firsts, moving
+
+    whole, whole_scored, _ = run(None)
+    chunked, chunked_scored, moving = run(3)  # 3 tokens a step: one column at a time for the pair
+    assert chunked == whole
+    assert moving and all(moving), "every running stream gets a token in every step of a chunked prefill"
+    (a,), (b,) = whole_scored.values(), chunked_scored.values()
+    assert [t for t, _, _ in a] == [t for t, _, _ in b] and a[0][1] is None
+    np.testing.assert_allclose([lp for _, lp, _ in a[1:]], [lp for _, lp, _ in b[1:]], atol=1e-3)
+
+    batcher = ContinuousBatcher(backend, text.eos_ids, 4, 64, max_prefill_tokens=2)
+    batcher.add("gone", prompts[PROMPTS[0]], greedy)
+    batcher.add("kept", prompts[PROMPTS[1]], greedy)
+    assert batcher.step() == [] and {s.id for s in batcher.newcomers} == {"gone", "kept"}  # one column of two rows
+    assert batcher.cancel("gone") and [s.id for s in batcher.newcomers] == ["kept"]
+    kept = []
+    while batcher.has_work():
+        kept += [e.token for e in batcher.step()]
+    assert kept == whole[PROMPTS[1]]
+
+
 def test_server_greedy_equals_hugging_face_generate(client, smollm2):
     import torch
 

@@ -253,6 +253,9 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int),
                        help="padded tokens per batch, rows x longest row (decoders: per prefill of newcomers; "
                        "default 16384; at least the engine's max sequence)")
+    serve.add_argument("--max-prefill-tokens", type=int, default=_env("MAX_PREFILL_TOKENS", 256, int),
+                       help="decoders: padded prompt tokens prefilled per step, in chunks between decode steps so "
+                       "newcomers do not stall running streams (default 256; 0: each prefill in one call)")
     serve.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 16, int),
                        help="decoders: sequences in the running batch (continuous batching; default 16)")
     serve.add_argument("--max-n", type=int, default=_env("MAX_N", 8, int),
@@ -317,7 +320,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_batch", "max_batch_tokens", "max_queue", "max_queue_tokens", "port", "max_num_seqs", "max_n"):
         if getattr(args, name) < 1:
             raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("workers", "max_wait_ms", "request_timeout", "drain_timeout", "replicas", "num_gpus_per_replica"):
+    for name in ("max_prefill_tokens", "workers", "max_wait_ms", "request_timeout", "drain_timeout", "replicas",
+                 "num_gpus_per_replica"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
     for name in ("threads", "max_replicas", "num_cpus_per_replica", "tracks", "worker_timeout"):
@@ -325,7 +329,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise TrtServeError(f"--{name.replace('_', '-')} must be positive")
     cfg = ServerConfig(engine_dir=args.model, host=args.host, port=args.port,
                        workers=args.workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                       max_num_seqs=args.max_num_seqs, max_n=args.max_n,
+                       max_num_seqs=args.max_num_seqs, max_n=args.max_n, max_prefill_tokens=args.max_prefill_tokens,
                        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                        max_queue_tokens=args.max_queue_tokens, api_key=args.api_key,
                        request_timeout=args.request_timeout, worker_timeout=args.worker_timeout,

@@ -1,8 +1,10 @@
 """Continuous batching for decoder engines: sequences join the running batch between decode steps
 and leave when finished. The running batch keeps one left-padded KV cache; it is re-packed only
 when membership changes (newcomers merged in, finished rows cut out, all-padding columns trimmed).
-Each step prefills the newcomers that fit (one backend call) and then decodes one token for every
-running sequence, so a newcomer's prefill holds the others back by at most one call."""
+Each step feeds the newcomers one chunk of their prompts (at most `max_prefill_tokens` padded tokens,
+chunked prefill) and then decodes one token for every running sequence, so newcomers' prompts hold
+the running streams back by one bounded chunk per step; newcomers join the batch after their last
+chunk. Chunks feed the KV cache exactly as one call would (the same positions and mask)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtserve.runtime.base import Backend
-from trtserve.runtime.generate import logit_feed, past_names, positions_from_mask, present_name
+from trtserve.runtime.generate import DecodeState, logit_feed, past_names, positions_from_mask, present_name
+from trtserve.runtime.generate import step as feed_tokens
 from trtserve.runtime.sampling import Sampler, SamplingParams, prompt_logprobs
 
 
@@ -51,13 +54,34 @@ class _Batch:
     mask: np.ndarray | None = None  # (B, P)
 
 
+@dataclass
+class _Prefill:
+    """Newcomers being prefilled chunk by chunk: their left-padded prompts and the cache fed so far."""
+
+    seqs: list[Sequence]
+    ids: np.ndarray  # (B, L)
+    mask: np.ndarray  # (B, L)
+    state: DecodeState
+    fed: int = 0  # columns fed
+    logits: list = field(default_factory=list)  # every position's, when the prompt's logprobs are wanted
+
+    def keep(self, rows: list[int]) -> None:
+        self.seqs = [self.seqs[i] for i in rows]
+        self.ids, self.mask = self.ids[rows], self.mask[rows]
+        self.state.mask = self.state.mask[rows]
+        self.state.past = {n: v[rows] for n, v in self.state.past.items()}
+
+
 class ContinuousBatcher:
     def __init__(self, backend: Backend, eos_ids: set[int], max_num_seqs: int = 16,
-                 max_batched_tokens: int = 4096, pad_id: int = 0):
+                 max_batched_tokens: int = 4096, pad_id: int = 0, max_prefill_tokens: int | None = None):
+        """`max_batched_tokens`: padded prompt tokens admitted into one prefill; `max_prefill_tokens`:
+        padded tokens fed per step (a chunk: newcomers x columns; None: the whole prefill in one call)."""
         manifest = backend.engine.manifest
         self.backend, self.eos_ids, self.pad_id = backend, set(eos_ids), pad_id
         self.max_num_seqs = min(max_num_seqs, manifest["shapes"]["batch"]["max"])
         self.max_batched_tokens = max_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_seq = manifest["shapes"]["total_sequence"]["max"]
         self.vocab = manifest["model"]["architecture"]["vocab_size"]
         self.names = past_names(backend)
@@ -65,7 +89,8 @@ class ContinuousBatcher:
         self.kv_shape = {n: (specs[n].shape[1], specs[n].shape[3]) for n in self.names}  # (Hkv, D)
         self.waiting: deque[Sequence] = deque()
         self.batch = _Batch()
-        self.newcomers: list[Sequence] = []  # admitted by the step in progress, not yet in the batch
+        self.prefill: _Prefill | None = None
+        self.newcomers: list[Sequence] = []  # being prefilled, not yet in the batch
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -76,23 +101,38 @@ class ContinuousBatcher:
             if seq.id == seq_id:
                 self.waiting.remove(seq)
                 return True
+        if self.prefill and any(s.id == seq_id for s in self.prefill.seqs):
+            self.prefill.keep([i for i, s in enumerate(self.prefill.seqs) if s.id != seq_id])
+            if not self.prefill.seqs:
+                self.prefill = None
+            self.newcomers = self.prefill.seqs if self.prefill else []
+            return True
         rows = [i for i, s in enumerate(self.batch.seqs) if s.id == seq_id]
         self._drop(rows)
         return bool(rows)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.batch.seqs)
+        return bool(self.waiting or self.batch.seqs or self.prefill)
 
     @property
     def running(self) -> int:
         return len(self.batch.seqs)
 
+    @property
+    def prefilling(self) -> int:
+        """Sequences whose prompts are being fed in chunks (admitted, not yet in the batch)."""
+        return len(self.prefill.seqs) if self.prefill else 0
+
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         events: list[Event] = []
-        newcomers = self.newcomers = self._admit()
-        if newcomers:
-            events += self._prefill(newcomers)
+        if self.prefill is None:
+            newcomers = self._admit()
+            if newcomers:
+                self.prefill = self._start_prefill(newcomers)
+        self.newcomers = self.prefill.seqs if self.prefill else []
+        if self.prefill:
+            events += self._prefill_chunk()
         if self.batch.seqs:
             events += self._decode()
         return events
@@ -113,30 +153,44 @@ class ContinuousBatcher:
             chosen.append(self.waiting.popleft())
         return chosen
 
-    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
+    def _start_prefill(self, seqs: list[Sequence]) -> _Prefill:
         longest = max(len(s.prompt) for s in seqs)
         ids = np.full((len(seqs), longest), self.pad_id, dtype=np.int64)
         mask = np.zeros_like(ids)
         for i, s in enumerate(seqs):  # left padding: every row's last column is its last prompt token
             ids[i, longest - len(s.prompt):] = s.prompt
             mask[i, longest - len(s.prompt):] = 1
-        scored = seqs[0].params.prompt_logprobs if len(seqs) == 1 else None
-        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
-                 **logit_feed(self.backend, longest, last_only=scored is None)}
-        for name, (heads, dim) in self.kv_shape.items():
-            feeds[name] = np.zeros((len(seqs), heads, 0, dim), dtype=np.float32)
+        past = {name: np.zeros((len(seqs), heads, 0, dim), dtype=np.float32) for name, (heads, dim) in self.kv_shape.items()}
+        return _Prefill(list(seqs), ids, mask, DecodeState(np.zeros((len(seqs), 0), dtype=np.int64), past))
+
+    def _prefill_chunk(self) -> list[Event]:
+        """Feed the next chunk of the newcomers' prompts; after the last, merge them into the batch and
+        choose their first tokens."""
+        p = self.prefill
+        rows, longest = p.ids.shape
+        budget = self.max_prefill_tokens or rows * longest
+        end = min(longest, p.fed + max(1, budget // rows))
+        scored = p.seqs[0].params.prompt_logprobs if rows == 1 else None
         try:
-            out = self.backend.infer(feeds)
+            logits = feed_tokens(self.backend, p.state, p.ids[:, p.fed:end], p.mask[:, p.fed:end],
+                                 last_only=scored is None)
         except Exception as exc:
-            return [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
+            self.prefill = None
+            return [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in p.seqs]
+        p.fed = end
+        if scored is not None:
+            p.logits.append(logits[0])
+        if end < longest:
+            return []
+        self.prefill = None
+        seqs = p.seqs
         for s in seqs:
             s.length = len(s.prompt)
-        fresh = _Batch(list(seqs), {n: out[present_name(n)] for n in self.names}, mask)
-        self.batch = _merge(self.batch, fresh)
-        events = self._choose(seqs, out["logits"][:, -1])
+        self.batch = _merge(self.batch, _Batch(list(seqs), p.state.past, p.state.mask))
+        events = self._choose(seqs, logits[:, -1])
         if scored is not None:
             try:
-                events[0].prompt_logprobs = prompt_logprobs(seqs[0].prompt, out["logits"][0], scored)
+                events[0].prompt_logprobs = prompt_logprobs(seqs[0].prompt, np.concatenate(p.logits), scored)
             except Exception as exc:  # noqa: BLE001 - as for sampling: this sequence ends, the rest go on
                 events[0] = Event(seqs[0].id, -1, error=f"{type(exc).__name__}: {exc}")
                 self._drop([i for i, s in enumerate(self.batch.seqs) if s.id == seqs[0].id])

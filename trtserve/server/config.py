@@ -14,6 +14,7 @@ class ServerConfig:
     max_batch: int = 32
     max_batch_tokens: int = 16384  # padded tokens per batch (rows x longest row); decoders: per prefill
     max_num_seqs: int = 16  # decoders: sequences in the running batch
+    max_prefill_tokens: int = 256  # decoders: padded prompt tokens prefilled per step (chunks); 0: whole prompts
     max_n: int = 8  # decoders: largest `n` a request may ask for
     max_wait_ms: float = 5.0
     max_queue: int = 256  # encoders: rows waiting; decoders: sequences waiting per worker

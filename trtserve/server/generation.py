@@ -74,7 +74,8 @@ class GenerationService:
         self.created = int(time.time())
         count, devices, threads, why = placement(cfg.workers, cfg.threads)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
-        options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq)}
+        options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq),
+                   "max_prefill_tokens": cfg.max_prefill_tokens or None}
         self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, generation=options,
                                deadline=cfg.worker_timeout)
 

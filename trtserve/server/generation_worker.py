@@ -22,13 +22,14 @@ log = logging.getLogger("trtserve.server")
 _ids = itertools.count()
 
 
-def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> None:
+def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None) -> None:
     """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
     which join the waiting queue together), ("cancel", id), ("stop", None)."""
     from trtserve.runtime.batching import ContinuousBatcher
 
     def fresh():
-        return ContinuousBatcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id)
+        return ContinuousBatcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id,
+                                 max_prefill_tokens)
 
     batcher = fresh()
     while True:
@@ -52,10 +53,11 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int) -> N
                 events = failed + [e.__dict__ for e in batcher.step()]
             except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
                 log.exception("generation step failed")
-                held = [s.id for s in list(batcher.waiting) + batcher.batch.seqs + batcher.newcomers]
+                held = dict.fromkeys(s.id for s in list(batcher.waiting) + batcher.batch.seqs + batcher.newcomers)
                 events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
                 batcher = fresh()
-            conn.send(("events", (events, batcher.running, len(batcher.waiting))))
+            # sequences in a chunked prefill count as running: admitted, holding cache rows
+            conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting))))
         except (EOFError, OSError):  # the server is gone
             return
 

@@ -1,0 +1,108 @@
+"""Generation over HTTP under load: time to first token, inter-token latency (p50, p99) and output
+tokens per second at a fixed concurrency, for several `--max-prefill-tokens` settings in one run.
+
+    .venv/bin/python benchmarks/bench_generation_server.py [--engine engines/smollm2] [--concurrency 32]
+        [--prompt 128] [--tokens 64] [--seconds 60] [--prefill 0 256 64]
+
+Each client streams completions back to back; every request's prompt is `--prompt` token ids of real
+Wikipedia text (a different start per request, the same ids for every setting), greedy, `--tokens`
+tokens with ignore_eos. Inter-token latency is the gap between successive streamed tokens of one
+request; requests still running when the time is up are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.server_process import start_server, stop_server  # noqa: E402  (same start/stop as the tests)
+
+
+def prompts(engine: Path, count: int, length: int) -> list[list[int]]:
+    from trtserve.models.loading import load_tokenizer
+    from trtserve.precision.measure import Corpus
+
+    return Corpus.wikipedia().rows(load_tokenizer(engine), count, length, special=False)
+
+
+def one(http: httpx.Client, url: str, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, gaps between tokens) of one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    started = time.perf_counter()
+    stamps = []
+    with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+    return stamps[0] - started, list(np.diff(stamps))
+
+
+def load(url: str, model: str, concurrency: int, seconds: float, rows: list[list[int]], tokens: int) -> dict:
+    stop = time.perf_counter() + seconds
+    ttft, itl, done = [], [], []
+
+    def client(worker: int) -> None:
+        with httpx.Client(timeout=600) as http:
+            i = worker
+            while time.perf_counter() < stop:
+                first, gaps = one(http, url, model, rows[i % len(rows)], tokens)
+                if time.perf_counter() <= stop:
+                    ttft.append(first)
+                    itl.extend(gaps)
+                    done.append(len(gaps) + 1)
+                i += concurrency
+
+    began = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(client, range(concurrency)))
+    elapsed = min(time.perf_counter(), stop) - began
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    return {"requests": len(done), "output_tok_s": sum(done) / elapsed, "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99), "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", type=Path, default=Path("engines/smollm2"))
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--prefill", type=int, nargs="+", default=[0, 256, 64],
+                        help="--max-prefill-tokens settings to compare (0: each prefill in one call)")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    args = parser.parse_args()
+    model = json.loads((args.engine / "manifest.json").read_text())["model"]["id"]
+    rows = prompts(args.engine, 256, args.prompt)
+    results = {}
+    for setting in args.prefill:
+        proc, url = start_server(args.engine, "--max-num-seqs", str(args.max_num_seqs), "--max-queue", "1024",
+                                 "--max-prefill-tokens", str(setting), "--request-timeout", "600")
+        try:
+            load(url, model, 2, 5.0, rows, 8)  # warm-up
+            results[setting] = load(url, model, args.concurrency, args.seconds, rows, args.tokens)
+        finally:
+            stop_server(proc)
+    print(f"{model} over HTTP: concurrency {args.concurrency}, {args.prompt}-token real prompts, {args.tokens} "
+          f"tokens, {args.seconds:.0f} s per setting, --max-num-seqs {args.max_num_seqs}")
+    print("| --max-prefill-tokens | requests | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | p99/p50 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for setting, r in results.items():
+        print(f"| {setting or 'whole prefill'} | {r['requests']} | {r['output_tok_s']:.1f} | {r['ttft_p50_s']:.2f} s "
+              f"| {r['ttft_p99_s']:.2f} s | {r['itl_p50_ms']:.0f} ms | {r['itl_p99_ms']:.0f} ms "
+              f"| {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
