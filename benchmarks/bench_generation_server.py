@@ -7,7 +7,7 @@ tokens per second at a fixed concurrency, for several `--max-prefill-tokens` set
 Each client streams completions back to back; every request's prompt is `--prompt` token ids of real
 Wikipedia text (a different start per request, the same ids for every setting), greedy, `--tokens`
 tokens with ignore_eos. Inter-token latency is the gap between successive streamed tokens of one
-request; requests still running when the time is up are not counted.
+request; every token streamed within the window counts, of finished requests or not.
 """
 
 from __future__ import annotations
@@ -34,41 +34,45 @@ def prompts(engine: Path, count: int, length: int) -> list[list[int]]:
     return Corpus.wikipedia().rows(load_tokenizer(engine), count, length, special=False)
 
 
-def one(http: httpx.Client, url: str, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
-    """(seconds to the first token, gaps between tokens) of one streamed completion."""
+def one(http: httpx.Client, url: str, model: str, prompt: list[int], tokens: int, stop: float) -> tuple[float, list]:
+    """(when the request was sent, when each streamed token arrived) of one completion; the stream is
+    closed at `stop`."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    started = time.perf_counter()
-    stamps = []
+    started, stamps = time.perf_counter(), []
     with http.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
+            if time.perf_counter() > stop:
+                break
             if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
-    return stamps[0] - started, list(np.diff(stamps))
+    return started, stamps
 
 
 def load(url: str, model: str, concurrency: int, seconds: float, rows: list[list[int]], tokens: int) -> dict:
+    """Every token streamed within the window counts (requests still running at its end too)."""
     stop = time.perf_counter() + seconds
-    ttft, itl, done = [], [], []
+    ttft, itl, count, done = [], [], [0], [0]
 
     def client(worker: int) -> None:
         with httpx.Client(timeout=600) as http:
             i = worker
             while time.perf_counter() < stop:
-                first, gaps = one(http, url, model, rows[i % len(rows)], tokens)
-                if time.perf_counter() <= stop:
-                    ttft.append(first)
-                    itl.extend(gaps)
-                    done.append(len(gaps) + 1)
+                started, stamps = one(http, url, model, rows[i % len(rows)], tokens, stop)
+                if stamps:
+                    ttft.append(stamps[0] - started)
+                    itl.extend(np.diff(stamps))
+                count[0] += len(stamps)
+                done[0] += len(stamps) == tokens
                 i += concurrency
 
     began = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(client, range(concurrency)))
     elapsed = min(time.perf_counter(), stop) - began
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-    return {"requests": len(done), "output_tok_s": sum(done) / elapsed, "ttft_p50_s": pct(ttft, 50),
+    pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
+    return {"requests": done[0], "output_tok_s": count[0] / elapsed, "ttft_p50_s": pct(ttft, 50),
             "ttft_p99_s": pct(ttft, 99), "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3}
 
 
@@ -96,7 +100,7 @@ def main() -> None:
             stop_server(proc)
     print(f"{model} over HTTP: concurrency {args.concurrency}, {args.prompt}-token real prompts, {args.tokens} "
           f"tokens, {args.seconds:.0f} s per setting, --max-num-seqs {args.max_num_seqs}")
-    print("| --max-prefill-tokens | requests | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | p99/p50 |")
+    print("| --max-prefill-tokens | requests finished | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | p99/p50 |")
     print("|---|---|---|---|---|---|---|---|")
     for setting, r in results.items():
         print(f"| {setting or 'whole prefill'} | {r['requests']} | {r['output_tok_s']:.1f} | {r['ttft_p50_s']:.2f} s "
