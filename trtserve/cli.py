@@ -24,9 +24,10 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "can be); hybrid (fp16 GEMMs, fp32 softmax/norms/reductions/rotary/mask); auto "
                         "(fp16 plus the smallest ranked set of fp32 nodes that meets the fidelity target); "
                         "gguf (a GGUF checkpoint's own Q4_1/Q8_0 blocks in its GEMMs and embeddings, not "
-                        "re-quantized); int8, int4 (GEMM and embedding weights quantized in blocks of 32 by ONNX "
-                        "Runtime's quantizer; the most sensitive weights, measured one by one on the calibration "
-                        "text, kept at 8 bits (int4) or fp32 (int8) as the fidelity target needs)")
+                        "re-quantized); int8, int4 (GEMM and embedding weights quantized in blocks of 32: int8 "
+                        "symmetric, int4 with a float minimum per block; the most sensitive weights, measured one "
+                        "by one on the calibration text, kept at 8 bits (int4) or fp32 (int8) as the fidelity "
+                        "target needs)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="text file to measure fidelity on (default: bundled Wikipedia sample)")
     parser.add_argument("--fidelity-target", default="",
