@@ -131,7 +131,7 @@ def test_strict_target_keeps_the_most_sensitive_weight_safer():
     torch_model = TinyDecoder().eval()
     fp32 = graph_of(torch_model)
     weights, eight_bit = candidates(fp32)
-    down = weight_key("gemm", torch_model.down.weight.detach().numpy())
+    down = weight_key("gemms", torch_model.down.weight.detach().numpy())
     loose = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
     assert max(loose.sensitivity, key=loose.sensitivity.get) == down  # the outlier weight
     strict = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=1.0, max_ppl_delta=0.0),

@@ -229,10 +229,8 @@ def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, k
     if policy.name == "fp32":
         shutil.copyfile(fp32_graph, out)
         return {}
-    if policy.weights == "gguf":
-        return _apply_gguf(fp32_graph, out, source, keep, blocks)
     if policy.weights != "float":
-        return _apply_quantized(fp32_graph, out, policy, keep, blocks)
+        return _apply_blocked(fp32_graph, out, policy, source, keep, blocks)
     with step(f"writing the {policy.name} precision policy into the graph"):
         mixed, report = apply_policy(onnx.load(str(fp32_graph)), policy)
         onnx.save(mixed, str(out))
@@ -243,33 +241,32 @@ def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, k
     return report.to_json()
 
 
-def _apply_gguf(fp32_graph: Path, out: Path, source: ModelSource, keep: frozenset, blocks) -> dict:
+def _apply_blocked(fp32_graph: Path, out: Path, policy, source: ModelSource, keep: frozenset, blocks) -> dict:
+    """Write a quantized-weight policy (gguf: `blocks` is the file's index, `keep` the GEMMs kept fp32;
+    int8/int4: `blocks` is the measured choice, `keep` the plan's int8-activation GEMMs)."""
     import onnx
 
-    from trtserve.precision.gguf_policy import apply_gguf
+    if policy.weights == "gguf":
+        from trtserve.precision.gguf_policy import apply_gguf
 
-    with step(f"carrying the blocks of {source.gguf.name} into the graph"):
-        model, report = apply_gguf(onnx.load(str(fp32_graph)), source.gguf, keep, blocks)
+        label = f"carrying the blocks of {source.gguf.name} into the graph"
+        rewrite = lambda model: apply_gguf(model, source.gguf, keep, blocks)  # noqa: E731
+    else:
+        from trtserve.precision.quant_policy import apply_quantized
+
+        label = f"writing {policy.name} weights into the graph"
+        rewrite = lambda model: apply_quantized(model, blocks, keep)  # noqa: E731
+    with step(label):
+        model, report = rewrite(onnx.load(str(fp32_graph)))
         onnx.save(model, str(out))
         onnx.checker.check_model(str(out), full_check=True)
-    formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
-    say(f"precision: gguf: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings read GGUF blocks ("
-        + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items())) + f"), {len(report['fp32'])} weights stay fp32")
-    return report
-
-
-def _apply_quantized(fp32_graph: Path, out: Path, policy, int8_activations: frozenset, choice) -> dict:
-    import onnx
-
-    from trtserve.precision.quant_policy import apply_quantized
-
-    with step(f"writing {policy.name} weights into the graph"):
-        model, report = apply_quantized(onnx.load(str(fp32_graph)), choice, int8_activations)
-        onnx.save(model, str(out))
-        onnx.checker.check_model(str(out), full_check=True)
-    formats = Counter(v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()])
-    say(f"precision: {policy.name}: " + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
-        + f", {len(report['fp32'])} weights fp32")
+    formats = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(
+        v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()]).items()))
+    if policy.weights == "gguf":
+        say(f"precision: gguf: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings read GGUF "
+            f"blocks ({formats}), {len(report['fp32'])} weights stay fp32")
+    else:
+        say(f"precision: {policy.name}: {formats}, {len(report['fp32'])} weights fp32")
     return report
 
 

@@ -1,6 +1,6 @@
 """The int8 and int4 policies: a genuine-fp32 checkpoint's GEMM and embedding weights quantized in blocks
-with ONNX Runtime's quantizer (precision.weight_quant), each weight in the format precision.sensitivity
-chose for it by measurement, written as blocked DequantizeLinear -> MatMul / Gather (precision.blocked)."""
+(precision.weight_quant), each weight in the format precision.sensitivity chose for it by measurement,
+written as blocked DequantizeLinear -> MatMul / Gather (precision.blocked)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def candidates(model) -> tuple[dict, set]:
     head = lm_head(model)
     weights, eight_bit = {}, set()
     for node, kind, rows, _ in weight_candidates(model.graph):
-        key = weight_key("gemm" if kind == "gemms" else "table", rows)
+        key = weight_key(kind, rows)
         weights[key] = rows
         if kind == "embeddings" or node.name == head:
             eight_bit.add(key)
@@ -39,7 +39,7 @@ def apply_quantized(model, choice, int8_activations: frozenset | None = None):
                          "kept_safer": choice.kept}
     blocks_of = {}
     for node, kind, rows, weight in weight_candidates(model.graph):
-        key = weight_key("gemm" if kind == "gemms" else "table", rows)
+        key = weight_key(kind, rows)
         fmt = choice.formats.get(key, "fp32")
         fast = int8_activations is None or "*" in int8_activations or node.name in int8_activations
         entry = {"shape": [int(rows.shape[1]), int(rows.shape[0])], "module": choice.modules.get(key),

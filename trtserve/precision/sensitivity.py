@@ -1,10 +1,11 @@
-"""Which GEMMs of a genuine-fp32 checkpoint get the cheap weight format: measured, never named.
+"""Which weights (GEMMs, embedding tables) of a genuine-fp32 checkpoint get the cheap format: measured,
+never named.
 
-Each GEMM's sensitivity is the effect on the model's output of quantizing that GEMM alone, measured on
+Each weight's sensitivity is the effect on the model's output of quantizing that GEMM alone, measured on
 real calibration text with the torch fp32 reference (the same dequantized values the graph will hold;
 the reference is already loaded by the build, and a forward pass is far cheaper than an ONNX Runtime
 session per GEMM). Decoders: the mean KL divergence of the next-token distribution; encoders: the mean
-1 - cosine of the sentence embeddings. Then the smallest set of the most sensitive GEMMs kept in the
+1 - cosine of the sentence embeddings. Then the smallest set of the most sensitive weights kept in the
 safer format (int4 -> int8 -> fp32) for which the whole model meets the target on that text is found by
 bisection over the ranking. The build's fidelity gate (ONNX Runtime, every length) has the last word.
 
@@ -28,7 +29,8 @@ SAFER = {"int4": "int8", "int8": "fp32"}
 
 
 def weight_key(kind: str, rows: np.ndarray) -> str:
-    """`kind` "gemm" or "table" (a tied LM head and embedding hold the same bytes), then the rows' hash."""
+    """`kind` ("gemms" or "embeddings", as blocked.weight_candidates says: a tied LM head and embedding hold
+    the same bytes), then the rows' hash."""
     return f"{kind}:" + hashlib.sha256(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()[:32]
 
 
@@ -42,47 +44,38 @@ class Choice:
 
 
 class _Reference:
-    """The torch model with swappable weights and fp32 outputs cached on calibration rows."""
+    """The torch model with swappable weights, and its fp32 outputs on the calibration rows and on the
+    shorter ranking rows."""
 
     def __init__(self, model, kind: str, rows: list[list[int]]):
         import torch
 
         self.model, self.kind = model, kind
-        self.all_ids = torch.tensor(rows, dtype=torch.int64)
-        self.short = False
+        ids = torch.tensor(rows, dtype=torch.int64)
+        self.ids = {False: ids, True: ids[:RANKING_ROWS, :RANKING_LENGTH]}  # by `short`
         self.originals = {}
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and weight is not None and weight.ndim == 2:
-                kind_ = "gemm" if isinstance(module, torch.nn.Linear) else "table"
+                kind_ = "gemms" if isinstance(module, torch.nn.Linear) else "embeddings"
                 self.originals.setdefault(weight_key(kind_, weight.detach().numpy()), (name, module, weight))
-        self.base_all = self._outputs()
-        self.short = True
-        self.base_short = self._outputs()
+        self.base = {short: self._outputs(ids) for short, ids in self.ids.items()}
 
-    @property
-    def ids(self):
-        return self.all_ids[:RANKING_ROWS, :RANKING_LENGTH] if self.short else self.all_ids
-
-    @property
-    def base(self):
-        return self.base_short if self.short else self.base_all
-
-    def _outputs(self):
+    def _outputs(self, ids):
         import torch
 
         with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
             if self.kind == "decoder":
-                return torch.log_softmax(self.model(input_ids=self.ids, attention_mask=torch.ones_like(self.ids)).logits, -1)
-            hidden = self.model(input_ids=self.ids, attention_mask=torch.ones_like(self.ids)).last_hidden_state
-            return hidden.double().mean(1)
+                return torch.log_softmax(out.logits, -1)
+            return out.last_hidden_state.double().mean(1)
 
     def metrics(self, formats: dict, short: bool = False) -> dict:
         """Swap in the quantized weights of `formats`, run (on the ranking rows if `short`), restore; the
         effect against fp32."""
         import torch
 
-        self.short = short
+        ids, base = self.ids[short], self.base[short]
         swapped = []
         try:
             for key, fmt in formats.items():
@@ -93,17 +86,17 @@ class _Reference:
                 # a fresh Parameter: a tied LM head and embedding are measured (and quantized) apart
                 module.weight = torch.nn.Parameter(torch.from_numpy(_dequantized(rows, fmt, key)), requires_grad=False)
                 swapped.append((module, weight))
-            out = self._outputs()
+            out = self._outputs(ids)
         finally:
             for module, weight in swapped:
                 module.weight = weight
         if self.kind == "decoder":
-            kl = (self.base.exp() * (self.base - out)).sum(-1, dtype=torch.float64)
-            top1 = (self.base.argmax(-1) == out.argmax(-1)).double().mean()
-            nll = lambda lp: -lp[:, :-1].gather(-1, self.ids[:, 1:, None]).mean()  # noqa: E731
-            ppl_delta = abs(float(torch.exp(nll(out).double() - nll(self.base).double())) - 1)
+            kl = (base.exp() * (base - out)).sum(-1, dtype=torch.float64)
+            top1 = (base.argmax(-1) == out.argmax(-1)).double().mean()
+            nll = lambda lp: -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean()  # noqa: E731
+            ppl_delta = abs(float(torch.exp(nll(out).double() - nll(base).double())) - 1)
             return {"effect": float(kl.mean()), "top1": float(top1), "ppl_delta": ppl_delta}
-        cos = torch.nn.functional.cosine_similarity(self.base, out, dim=-1)
+        cos = torch.nn.functional.cosine_similarity(base, out, dim=-1)
         return {"effect": float((1 - cos).mean()), "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
 
 
@@ -122,7 +115,7 @@ def meets(metrics: dict, target) -> bool:
     return metrics["worst_cosine"] >= target.min_token_cosine and metrics["mean_cosine"] >= target.min_cosine
 
 
-CACHE_VERSION = 2  # bump when the measurement changes
+CACHE_VERSION = 3  # bump when the measurement changes
 
 
 def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
@@ -165,11 +158,10 @@ def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, f
         safer = set(ranked[:kept])
         return {k: (SAFER[f] if k in safer and f != "fp32" else f) for k, f in low.items()}
 
-    lo, hi = 0, len(ranked)
-    best = ref.metrics(mix(0))
+    kept, best = 0, ref.metrics(mix(0))
     if not meets(best, target):
-        top = ref.metrics(mix(hi))
-        best = top
+        lo, hi = 0, len(ranked)
+        best = ref.metrics(mix(hi))
         while lo + 1 < hi:  # invariant: mix(hi) meets the target (or hi is everything), mix(lo) does not
             mid = (lo + hi) // 2
             m = ref.metrics(mix(mid))
@@ -178,8 +170,6 @@ def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, f
             else:
                 lo = mid
         kept = hi
-    else:
-        kept = 0
     formats = mix(kept)
     counts = {f: sum(v == f for v in formats.values()) for f in dict.fromkeys([fmt, "int8", "fp32"])}
     say("weights: " + ", ".join(f"{n} {f}" for f, n in counts.items())
