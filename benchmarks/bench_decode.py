@@ -29,10 +29,10 @@ class Ours:
 
     def run(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
         """(seconds from the first token to the last, greedy token ids)."""
-        from trtserve.runtime.batching import ContinuousBatcher
         from trtserve.runtime.sampling import SamplingParams
+        from trtserve.runtime.slot_batching import make_batcher
 
-        batcher = ContinuousBatcher(self.text.backend, self.text.eos_ids, 1)
+        batcher = make_batcher(self.text.backend, self.text.eos_ids, 1)  # what the server runs for this engine
         batcher.add("s", prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         out, first = [], None
         while batcher.has_work():

@@ -56,15 +56,15 @@ def hf_generate(tokens: int, runs: int = 3) -> tuple[float, float]:
 def ours(engine: Path, tokens: int, runs: int = 3) -> tuple[float, float]:
     """The same, for trtserve's continuous batcher with one sequence (in process, no HTTP)."""
     from trtserve.runtime import load_backend
-    from trtserve.runtime.batching import ContinuousBatcher
     from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.slot_batching import make_batcher
     from trtserve.runtime.text import TextEngine
 
     text = TextEngine(load_backend(engine))
     prompt = text.tokenize([PROMPT])[0]
 
     def run(n):
-        batcher = ContinuousBatcher(text.backend, text.eos_ids, 1)
+        batcher = make_batcher(text.backend, text.eos_ids, 1)
         batcher.add("s", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         started = time.perf_counter()
         while batcher.has_work():

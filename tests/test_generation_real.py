@@ -38,9 +38,22 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
-def test_continuous_batching_matches_one_sequence_greedy_decoding(smollm2):
-    from trtserve.runtime import generate, load_backend
+def batcher_of(kind: str, backend, *args, **kwargs):
+    """The padded batcher (the portable graph's contract, as TensorRT runs it) or the slot batcher that the
+    server runs on the ONNX Runtime decode graph."""
     from trtserve.runtime.batching import ContinuousBatcher
+    from trtserve.runtime.slot_batching import SlotBatcher, make_batcher
+
+    if kind == "padded":
+        return ContinuousBatcher(backend, *args, **kwargs)
+    batcher = make_batcher(backend, *args, **kwargs)
+    assert isinstance(batcher, SlotBatcher), "the build wrote and checked a decode graph"
+    return batcher
+
+
+@pytest.mark.parametrize("kind", ["padded", "slots"])
+def test_continuous_batching_matches_one_sequence_greedy_decoding(smollm2, kind):
+    from trtserve.runtime import generate, load_backend
     from trtserve.runtime.sampling import SamplingParams
     from trtserve.runtime.text import TextEngine
 
@@ -51,7 +64,7 @@ def test_continuous_batching_matches_one_sequence_greedy_decoding(smollm2):
     for p, ids in prompts.items():
         tokens, _ = generate.greedy(backend, np.array([ids]), np.ones((1, len(ids)), np.int64), 12)
         alone[p] = tokens[0].tolist()
-    batcher = ContinuousBatcher(backend, text.eos_ids, max_num_seqs=3, max_batched_tokens=64)
+    batcher = batcher_of(kind, backend, text.eos_ids, max_num_seqs=3, max_batched_tokens=64)
     got = {p: [] for p in PROMPTS}
     joins = {0: PROMPTS[:1], 2: PROMPTS[1:2], 3: PROMPTS[2:]}  # newcomers join a running batch
     step = 0
@@ -72,9 +85,9 @@ def test_continuous_batching_matches_one_sequence_greedy_decoding(smollm2):
     assert kept == alone[PROMPTS[1]][:4] and not batcher.has_work()
 
 
-def test_chunked_prefill_gives_what_one_prefill_call_gives_and_keeps_streams_moving(smollm2):
+@pytest.mark.parametrize("kind", ["padded", "slots"])
+def test_chunked_prefill_gives_what_one_prefill_call_gives_and_keeps_streams_moving(smollm2, kind):
     from trtserve.runtime import load_backend
-    from trtserve.runtime.batching import ContinuousBatcher
     from trtserve.runtime.sampling import SamplingParams
     from trtserve.runtime.text import TextEngine
 
@@ -85,14 +98,14 @@ def test_chunked_prefill_gives_what_one_prefill_call_gives_and_keeps_streams_mov
     scored = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 
     def run(max_prefill_tokens):
-        batcher = ContinuousBatcher(backend, text.eos_ids, 4, 64, max_prefill_tokens=max_prefill_tokens)
+        batcher = batcher_of(kind, backend, text.eos_ids, 4, 64, max_prefill_tokens=max_prefill_tokens)
         got, firsts, moving = {p: [] for p in PROMPTS}, {}, []
         joins = {0: PROMPTS[:1], 1: PROMPTS[1:3], 9: PROMPTS[3:]}
         step = 0
         while step < 10 or batcher.has_work():
             for p in joins.get(step, []):
                 batcher.add(p, prompts[p], scored if p == PROMPTS[3] else greedy)
-            running = {s.id for s in batcher.batch.seqs}
+            running = {s.id for s in batcher.decoding()}
             events = batcher.step()
             if batcher.newcomers and running:  # a chunk was fed while these were running
                 moving.append(running <= {e.id for e in events})
@@ -111,7 +124,7 @@ def test_chunked_prefill_gives_what_one_prefill_call_gives_and_keeps_streams_mov
     assert [t for t, _, _ in a] == [t for t, _, _ in b] and a[0][1] is None
     np.testing.assert_allclose([lp for _, lp, _ in a[1:]], [lp for _, lp, _ in b[1:]], atol=1e-3)
 
-    batcher = ContinuousBatcher(backend, text.eos_ids, 4, 64, max_prefill_tokens=2)
+    batcher = batcher_of(kind, backend, text.eos_ids, 4, 64, max_prefill_tokens=2)
     batcher.add("gone", prompts[PROMPTS[0]], greedy)
     batcher.add("kept", prompts[PROMPTS[1]], greedy)
     assert batcher.step() == [] and {s.id for s in batcher.newcomers} == {"gone", "kept"}  # one column of two rows

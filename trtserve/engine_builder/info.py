@@ -27,6 +27,7 @@ def describe_manifest(engine: EngineDir) -> str:
         *([f"            int8 activations in {backend['int8_activations']}"
            + "".join(f"; {t['plan']} missed the target" for t in backend.get("int8_activations_missed", []))]
           if "int8_activations" in backend else []),
+        *_kv_graph(backend.get("kv_graph")),
         *_tensorrt(m.get("tensorrt")),
         f"onnx        {m['onnx']['file']} opset {m['onnx']['opset']} (sha256 {m['onnx']['sha256'][:16]}...)",
         "shapes      " + ", ".join(f"{axis} {r['min']}..{r['max']} (opt {r['opt']})" for axis, r in m["shapes"].items()),
@@ -100,3 +101,12 @@ def _tensorrt(entry: dict | None) -> list[str]:
             f"            kernels after fusion: {kernels['count']} ("
             + ", ".join(f"{k} {'/'.join(f'{n} {t}' for t, n in v.items())}"
                         for k, v in kernels["output_dtypes_by_kernel_type"].items()) + ")"]
+
+
+def _kv_graph(entry: dict | None) -> list[str]:
+    if not entry:
+        return []
+    if not entry.get("file"):
+        return [f"decode      no in-place KV graph: {entry.get('why_not')}"]
+    return [f"decode      {entry['file']}: GroupQueryAttention over in-place KV buffers of {entry['capacity']} tokens, "
+            f"logits within {entry['check']['max_relative_difference']:.1e} of the optimized graph"]

@@ -114,9 +114,13 @@ class ContinuousBatcher:
     def has_work(self) -> bool:
         return bool(self.waiting or self.batch.seqs or self.prefill)
 
+    def decoding(self) -> list[Sequence]:
+        """The sequences whose prompts are in: each gets a token every step."""
+        return self.batch.seqs
+
     @property
     def running(self) -> int:
-        return len(self.batch.seqs)
+        return len(self.decoding())
 
     @property
     def prefilling(self) -> int:
@@ -140,7 +144,7 @@ class ContinuousBatcher:
     def _admit(self) -> list[Sequence]:
         """Newcomers for one prefill; a sequence that wants its prompt's logprobs is prefilled alone
         (its logits are needed at every position, the others' at the last only)."""
-        room = self.max_num_seqs - len(self.batch.seqs)
+        room = self.max_num_seqs - self.running - self.prefilling
         chosen: list[Sequence] = []
         while self.waiting and len(chosen) < room:
             if self.waiting[0].params.prompt_logprobs is not None:
@@ -232,9 +236,15 @@ class ContinuousBatcher:
             if finish:
                 done.append(s.id)
         if done:
-            finished = set(done)
-            self._drop([i for i, s in enumerate(self.batch.seqs) if s.id in finished])
+            self._finish(set(done))
         return events
+
+    def _finish(self, ids: set[str]) -> None:
+        self._drop([i for i, s in enumerate(self.batch.seqs) if s.id in ids])
+
+    def held(self) -> list[Sequence]:
+        """Every sequence the batcher holds: waiting, being prefilled, running."""
+        return list(self.waiting) + self.newcomers + self.batch.seqs
 
     def _drop(self, rows: list[int]) -> None:
         """Cut rows out of the running batch and trim the columns that are padding for every row left."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from trtserve.engine_builder.artifact import EngineDir
 from trtserve.runtime.base import available_cores, check_feeds, io_specs
+from trtserve.runtime.kv_slots import kv_graph_of
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class OrtBackend:
         self.inputs, self.outputs = io_specs(engine.manifest)
         self.ranges = engine.manifest["shapes"]
         entry = engine.manifest.get("backend", {})
+        graph_override = graph is not None
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or available_cores()
         options.inter_op_num_threads = 1
@@ -47,8 +49,28 @@ class OrtBackend:
             )
             graph = engine.file(engine.manifest["onnx"]["file"])
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        self.threads = options.intra_op_num_threads
+        self._load = lambda: ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        self._session = self._kv_session = None
         self._output_names = [spec.name for spec in self.outputs]
+        self.kv_graph = None if graph_override else kv_graph_of(engine)
+
+    @property
+    def session(self):
+        """Loaded on first use: a server that decodes through the kv graph never holds this one's weights."""
+        if self._session is None:
+            self._session = self._load()
+        return self._session
+
+    def kv_slots(self, slots: int):
+        """Sequence slots over the engine's decode graph (runtime.kv_slots), or None without one."""
+        from trtserve.runtime.kv_slots import KVSlots
+
+        if not self.kv_graph:
+            return None
+        slots = KVSlots(self.engine, slots, self.threads, session=self._kv_session)
+        self._kv_session = slots.session  # loaded once; each batcher gets buffers of its own
+        return slots
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_feeds(feeds, self.inputs, self.ranges)
@@ -56,4 +78,4 @@ class OrtBackend:
         return dict(zip(self._output_names, values))
 
     def close(self) -> None:
-        self.session = None
+        self._session = self._kv_session = None

@@ -25,11 +25,11 @@ _ids = itertools.count()
 def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None) -> None:
     """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
     which join the waiting queue together), ("cancel", id), ("stop", None)."""
-    from trtserve.runtime.batching import ContinuousBatcher
+    from trtserve.runtime.slot_batching import make_batcher
 
     def fresh():
-        return ContinuousBatcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id,
-                                 max_prefill_tokens)
+        return make_batcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id,
+                            max_prefill_tokens)
 
     batcher = fresh()
     while True:
@@ -53,7 +53,7 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
                 events = failed + [e.__dict__ for e in batcher.step()]
             except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
                 log.exception("generation step failed")
-                held = dict.fromkeys(s.id for s in list(batcher.waiting) + batcher.batch.seqs + batcher.newcomers)
+                held = dict.fromkeys(s.id for s in batcher.held())
                 events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
                 batcher = fresh()
             # sequences in a chunked prefill count as running: admitted, holding cache rows

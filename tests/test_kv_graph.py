@@ -1,0 +1,149 @@
+"""The decode graph (engine_builder.kv_graph) on a tiny random Llama exported by the real exporter: the
+lowering finds every layer's attention, ONNX Runtime appends to the slot buffers in place, and the slot
+batcher gives the padded batcher's tokens, chunked or not, with sequences joining and leaving."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0) to export the tiny model")
+transformers = pytest.importorskip("transformers", reason="needs transformers to make the tiny model")
+
+from trtserve.engine_builder.artifact import EngineDir  # noqa: E402
+from trtserve.engine_builder.kv_graph import NotLowered, build_kv, lower  # noqa: E402
+from trtserve.runtime.batching import ContinuousBatcher  # noqa: E402
+from trtserve.runtime.kv_slots import KV_GRAPH  # noqa: E402
+from trtserve.runtime.ort import OrtBackend  # noqa: E402
+from trtserve.runtime.sampling import SamplingParams  # noqa: E402
+from trtserve.runtime.slot_batching import SlotBatcher, make_batcher  # noqa: E402
+
+CAPACITY = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> EngineDir:
+    """A 2-layer Llama (4 query heads over 2 KV heads) exported and optimized as a build does, decode graph included."""
+    from trtserve.engine_builder.build import _io_from_graph, _shape_ranges
+    from trtserve.engine_builder.export import export_onnx
+    from trtserve.engine_builder.onnxruntime import build_ort
+    from trtserve.models.loading import load_torch_model
+    from trtserve.models.sources import resolve
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CAPACITY,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "checkpoint")
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")).save(str(root / "checkpoint" / "tokenizer.json"))
+    source = resolve(str(root / "checkpoint"))
+    engine_dir = root / "engine"
+    engine_dir.mkdir()
+    export_onnx(source, load_torch_model(source), engine_dir / "model.onnx")
+    manifest = {"model": {"id": "tiny", "kind": "decoder", "architecture": vars(source.info)},
+                "io": _io_from_graph(engine_dir / "model.onnx"), "shapes": _shape_ranges(source, 4, CAPACITY),
+                "onnx": {"file": "model.onnx"}}
+    manifest["backend"] = build_ort(engine_dir / "model.onnx", engine_dir)
+    manifest["backend"]["kv_graph"] = build_kv(engine_dir, manifest)
+    (engine_dir / "manifest.json").write_text(json.dumps(manifest))
+    return EngineDir(engine_dir, manifest)
+
+
+def test_every_layer_becomes_one_attention_node_and_the_build_check_passes(tiny):
+    entry = tiny.manifest["backend"]["kv_graph"]
+    assert entry["file"] == KV_GRAPH, entry
+    assert entry["check"]["max_relative_difference"] < 1e-4
+    graph = onnx.load(str(tiny.file(KV_GRAPH))).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GroupQueryAttention") == 2
+    assert not {"Softmax", "Sin", "Cos"} & set(ops)  # rotary and softmax live inside the attention nodes
+    assert {i.name for i in graph.input} >= {"input_ids", "query_seqlens", "seqlens_k", "logit_index"}
+    assert "attention_mask" not in {i.name for i in graph.input}
+
+
+def test_a_graph_without_the_pattern_is_refused_with_the_reason(tiny):
+    model = onnx.load(str(tiny.file("model.onnx")))
+    softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
+    softmax.op_type = "LogSoftmax"
+    with pytest.raises(NotLowered, match="softmax"):
+        lower(model, 4, 2, 16, CAPACITY)
+
+
+def test_decode_steps_append_in_place(tiny):
+    backend = OrtBackend(tiny, threads=1)
+    slots = backend.kv_slots(2)
+    buffer = slots.buffers["past_key_values.0.key"]
+    address = buffer.ctypes.data
+    slots.run(0, np.array([[5, 6, 7], [8, 0, 0]]), np.array([3, 1]), np.array([[2], [0]]))
+    before = buffer[0, :, :3].copy()
+    slots.run(0, np.array([[9], [10]]), np.array([1, 1]), np.zeros((2, 1), np.int64))
+    assert buffer.ctypes.data == address and list(slots.length) == [4, 2]
+    np.testing.assert_array_equal(buffer[0, :, :3], before)  # the cached rows stay where they were
+    assert np.abs(buffer[0, :, 3]).sum() > 0 and np.abs(buffer[0, :, 4:]).sum() == 0
+
+
+def _tokens(batcher, prompts, late, join_at=2):
+    out = {}
+    for i, p in enumerate(prompts):
+        batcher.add(str(i), p, SamplingParams(max_tokens=5 + i, temperature=0, ignore_eos=True))
+    steps = 0
+    while batcher.has_work():
+        for event in batcher.step():
+            assert event.error is None, event.error
+            out.setdefault(event.id, []).append(event.token)
+        steps += 1
+        if steps == join_at:
+            for i, p in enumerate(late, len(prompts)):
+                batcher.add(str(i), p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [None, 6, 1])
+def test_slot_batcher_gives_the_padded_batchers_tokens_as_sequences_join_and_leave(tiny, chunk):
+    backend = OrtBackend(tiny, threads=1)
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, 96, n)) for n in (9, 3, 14)]
+    late = [list(rng.integers(0, 96, n)) for n in (5, 20)]
+    want = _tokens(ContinuousBatcher(backend, {95}, 3, 4096), prompts, late)
+    batcher = make_batcher(backend, {95}, 3, 4096, max_prefill_tokens=chunk)
+    assert isinstance(batcher, SlotBatcher)
+    assert _tokens(batcher, prompts, late) == want
+    assert batcher.table == [] and not batcher.slots.length.any()
+
+
+def test_prompt_logprobs_through_the_slots_equal_the_padded_path(tiny):
+    backend = OrtBackend(tiny, threads=1)
+    prompt = list(np.random.default_rng(4).integers(0, 96, 11))
+
+    def first_event(batcher):
+        batcher.add("a", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+        events = []
+        while batcher.has_work():
+            events += batcher.step()
+        return events[0]
+
+    want = first_event(ContinuousBatcher(backend, {95}, 2, 4096))
+    got = first_event(SlotBatcher(backend, {95}, 2, 4096, max_prefill_tokens=4))
+    assert got.token == want.token
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] == want.prompt_logprobs[0]
+    for (token, logprob, top), (want_token, want_logprob, want_top) in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert token == want_token and logprob == pytest.approx(want_logprob, abs=1e-4)
+        assert [t for t, _ in top] == [t for t, _ in want_top]
+
+
+def test_a_row_too_close_to_the_end_of_its_cache_is_fed_alone(tiny):
+    backend = OrtBackend(tiny, threads=1)
+    slots = backend.kv_slots(2)
+    rng = np.random.default_rng(5)
+    long, short = rng.integers(0, 96, CAPACITY - 2), rng.integers(0, 96, 8)
+    slots.run(0, long[None, :-1], np.array([CAPACITY - 3]), np.array([[CAPACITY - 4]]))
+    ids = np.zeros((2, 8), np.int64)
+    ids[0, 0], ids[1] = long[-1], short
+    logits = slots.run(0, ids, np.array([1, 8]), np.array([[0], [7]]))  # 61 + 8 padded rows would not fit slot 0
+    assert list(slots.length) == [CAPACITY - 2, 8] and np.isfinite(logits).all()

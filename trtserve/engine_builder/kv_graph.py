@@ -1,0 +1,358 @@
+"""The ONNX Runtime decode graph: each layer's attention as one GroupQueryAttention node whose past and
+present key/value are the same preallocated buffer, so a decode step appends in place instead of copying
+the cache.
+
+The portable graph keeps the standard contract (left-padded attention_mask, past in, past + new out);
+this graph is a lowering of it for ONNX Runtime only, found by the graph's structure (rotary halves,
+Concat of past and new, matmul-softmax-matmul), never by names, and checked against the optimized graph
+before it is kept. Its contract, per sequence slot b of the buffers (slots, Hkv, capacity, D):
+  input_ids (B, S)       new tokens, right-padded: rows [0, query_seqlens[b]) are real
+  query_seqlens (B,)     new tokens of row b this call (0: the row is idle, its cache unchanged)
+  seqlens_k (B,)         tokens in row b's cache after this call, minus one
+  total_sequence_length  the largest seqlens_k + 1 of the call (a scalar)
+  logit_index (B, K)     the positions of each row whose logits are wanted
+  past_key_values.*      the buffers, bound as present.* too (ONNX Runtime writes the new rows in place)
+Positions are the cache positions: a row's tokens start at 0, with no padding in front.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from trtserve.runtime.kv_slots import KV_GRAPH, LOGIT_INDEX, QUERY_LENS, SEQLENS, TOTAL
+
+CAPACITY_AXIS = "capacity"
+
+
+class NotLowered(Exception):
+    """The graph does not have the structure the lowering needs; the message says what was missing."""
+
+
+class _Graph:
+    def __init__(self, graph):
+        self.graph = graph
+        self.inits = {i.name: i for i in graph.initializer}
+        self.producer = {o: n for n in graph.node for o in n.output}
+        self.readers: dict[str, list] = {}
+        for n in graph.node:
+            for name in n.input:
+                self.readers.setdefault(name, []).append(n)
+
+    def node(self, tensor: str, op: str, what: str):
+        found = self.producer.get(tensor)
+        if found is None or found.op_type != op:
+            raise NotLowered(f"{what}: expected {op} producing {tensor}, found {found.op_type if found else 'none'}")
+        return found
+
+    def const(self, name: str) -> np.ndarray | None:
+        init = self.inits.get(name)
+        if init is not None:
+            return numpy_helper.to_array(init)
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            return numpy_helper.to_array(node.attribute[0].t)
+        return None
+
+
+def _attr(node, name, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _heads_view(g: _Graph, tensor: str, what: str) -> str:
+    """Transpose(0, 2, 1, 3) of Reshape(x (B, S, H*D)) -> x."""
+    transpose = g.node(tensor, "Transpose", what)
+    if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
+        raise NotLowered(f"{what}: transpose {transpose.name} is not (0, 2, 1, 3)")
+    return g.node(transpose.input[0], "Reshape", what).input[0]
+
+
+def _rotary(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, str]:
+    """x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin -> (x, cos, sin)."""
+    add = g.node(tensor, "Add", what)
+    muls = [g.producer.get(i) for i in add.input]
+    if any(m is None or m.op_type != "Mul" for m in muls):
+        raise NotLowered(f"{what}: {add.name} does not add two products")
+    for rotated, plain in (muls, muls[::-1]):
+        for slot in (0, 1):
+            cat = g.producer.get(rotated.input[slot])
+            if cat is None or cat.op_type != "Concat" or len(cat.input) != 2:
+                continue
+            neg = g.producer.get(cat.input[0])
+            first, second = (g.producer.get(neg.input[0]) if neg is not None and neg.op_type == "Neg" else None,
+                             g.producer.get(cat.input[1]))
+            if first is None or second is None or first.op_type != "Slice" or second.op_type != "Slice":
+                continue
+            x = first.input[0]
+            if second.input[0] != x or x not in plain.input:
+                continue
+            halves = [(g.const(s.input[1]), g.const(s.input[2])) for s in (first, second)]
+            if any(a is None or b is None for a, b in halves):
+                continue
+            (s1, _), (s2, e2) = halves
+            if int(s1.ravel()[0]) != head // 2 or int(s2.ravel()[0]) != 0 or int(e2.ravel()[0]) != head // 2:
+                raise NotLowered(f"{what}: the rotary halves are not D/2 = {head // 2}")
+            sin = rotated.input[1 - slot]
+            cos = plain.input[1 - list(plain.input).index(x)]
+            return x, cos, sin
+    raise NotLowered(f"{what}: no rotate-half pattern under {add.name}")
+
+
+def _inv_freq(g: _Graph, cos: str, sin: str) -> np.ndarray:
+    """Unsqueeze(Cos(Concat(f, f))) with f = positions * inv_freq, the same f under sin -> inv_freq."""
+    roots = []
+    for tensor, op in ((cos, "Cos"), (sin, "Sin")):
+        inner = g.node(g.node(tensor, "Unsqueeze", "rotary table").input[0], op, "rotary table")
+        cat = g.node(inner.input[0], "Concat", "rotary table")
+        if len(cat.input) != 2 or cat.input[0] != cat.input[1]:
+            raise NotLowered("rotary table: the angles are not cat(freqs, freqs)")
+        roots.append(cat.input[0])
+    if roots[0] != roots[1]:
+        raise NotLowered("rotary table: cos and sin read different angles")
+    mul = g.node(roots[0], "Mul", "rotary table")
+    values = [g.const(i) for i in mul.input]
+    found = [v for v in values if v is not None]
+    if len(found) != 1:
+        raise NotLowered("rotary table: the angles are not positions times one constant frequency vector")
+    return found[0].astype(np.float64).ravel()
+
+
+def _layer(g: _Graph, i: int, head: int) -> dict:
+    what = f"layer {i}"
+    cat_k = g.node(f"present.{i}.key", "Concat", what)
+    cat_v = g.node(f"present.{i}.value", "Concat", what)
+    if cat_k.input[0] != f"past_key_values.{i}.key" or cat_v.input[0] != f"past_key_values.{i}.value":
+        raise NotLowered(f"{what}: the presents are not past + new")
+    k, cos, sin = _rotary(g, cat_k.input[1], head, what + " key")
+    k_flat, v_flat = _heads_view(g, k, what + " key"), _heads_view(g, cat_v.input[1], what + " value")
+    pv = [n for n in g.readers.get(f"present.{i}.value", []) if n.op_type == "MatMul"]
+    tk = [n for n in g.readers.get(f"present.{i}.key", []) if n.op_type == "Transpose"]
+    if len(pv) != 1 or len(tk) != 1 or list(_attr(tk[0], "perm", [])) != [0, 1, 3, 2]:
+        raise NotLowered(f"{what}: no single scores and values product on the presents")
+    qk = [n for n in g.readers.get(tk[0].output[0], []) if n.op_type == "MatMul"]
+    if len(qk) != 1:
+        raise NotLowered(f"{what}: no single query-key product")
+    q_rot = g.node(qk[0].input[0], "Reshape", what + " query").input[0]
+    q, q_cos, q_sin = _rotary(g, q_rot, head, what + " query")
+    if (q_cos, q_sin) != (cos, sin):
+        raise NotLowered(f"{what}: query and key use different rotary tables")
+    q_flat = _heads_view(g, q, what + " query")
+    scaled = [n for n in g.readers.get(qk[0].output[0], []) if n.op_type == "Mul"]
+    scale = g.const(next(x for x in scaled[0].input if x != qk[0].output[0])) if len(scaled) == 1 else None
+    if scale is None or scale.size != 1:
+        raise NotLowered(f"{what}: the scores are not scaled by one constant")
+    probs = g.node(g.node(pv[0].input[0], "Reshape", what).input[0], "Softmax", what)
+    if _attr(probs, "axis", -1) != -1:
+        raise NotLowered(f"{what}: softmax is not over the keys")
+    out = pv[0].output[0]
+    for op in ("Reshape", "Transpose", "Reshape"):
+        readers = g.readers.get(out, [])
+        if len(readers) != 1 or readers[0].op_type != op:
+            raise NotLowered(f"{what}: the attention output is not reshaped back to (B, S, H*D)")
+        out = readers[0].output[0]
+    return {"q": q_flat, "k": k_flat, "v": v_flat, "out": out, "scale": float(scale.ravel()[0]), "cos": cos, "sin": sin,
+            "drop": [g.producer[out], cat_k, cat_v]}
+
+
+def _logit_gather(g: _Graph) -> None:
+    """Transpose(1,0,2) -> GatherND(Unsqueeze(logit_positions)) -> Transpose(1,0,2) becomes a gather of
+    each row's own positions: GatherND(hidden, Unsqueeze(logit_index, -1), batch_dims=1)."""
+    users = g.readers.get("logit_positions", [])
+    if len(users) != 1 or users[0].op_type != "Unsqueeze":
+        raise NotLowered("the logit positions are not read by one Unsqueeze")
+    gathers = g.readers.get(users[0].output[0], [])
+    if len(gathers) != 1 or gathers[0].op_type != "GatherND":
+        raise NotLowered("the logit positions do not select hidden rows by GatherND")
+    hidden = g.node(gathers[0].input[0], "Transpose", "logit gather").input[0]
+    after = g.readers.get(gathers[0].output[0], [])
+    if len(after) != 1 or after[0].op_type != "Transpose":
+        raise NotLowered("the gathered rows are not transposed back")
+    axes = helper.make_tensor(f"{LOGIT_INDEX}.axes", TensorProto.INT64, [1], [-1])
+    g.graph.initializer.append(axes)
+    index = list(g.graph.node).index(after[0])
+    for node in (after[0], gathers[0], users[0]):
+        g.graph.node.remove(node)
+    g.graph.node.insert(index, helper.make_node("GatherND", [hidden, f"{LOGIT_INDEX}.index"], [after[0].output[0]],
+                                                name="logit_gather", batch_dims=1))
+    g.graph.node.insert(index, helper.make_node("Unsqueeze", [LOGIT_INDEX, axes.name], [f"{LOGIT_INDEX}.index"],
+                                                name="logit_index.unsqueeze"))
+
+
+def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity: int) -> onnx.ModelProto:
+    """The decode graph of a portable decoder graph (a copy); NotLowered says why it cannot be made."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    g = _Graph(graph)
+    layers = sorted({int(o.name.split(".")[1]) for o in graph.output if o.name.startswith("present.")})
+    if not layers:
+        raise NotLowered("the graph has no present key/value outputs")
+    float_inputs = [i for i in graph.input if i.name.startswith("past_key_values.")]
+    if any(i.type.tensor_type.elem_type != TensorProto.FLOAT for i in float_inputs):
+        raise NotLowered("the cache is not float32")
+    found = [_layer(g, i, head) for i in layers]
+    inv_freq = _inv_freq(g, found[0]["cos"], found[0]["sin"])
+    if any(_inv_freq(g, f["cos"], f["sin"]).tolist() != inv_freq.tolist() for f in found[1:]):
+        raise NotLowered("the layers use different rotary frequencies")
+    if inv_freq.size != head // 2:
+        raise NotLowered(f"the rotary frequencies have {inv_freq.size} entries, not D/2 = {head // 2}")
+    _logit_gather(g)
+    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
+    graph.initializer.extend([numpy_helper.from_array(np.cos(angles).astype(np.float32), "kv.cos_cache"),
+                              numpy_helper.from_array(np.sin(angles).astype(np.float32), "kv.sin_cache")])
+    for i, f in zip(layers, found):
+        index = list(graph.node).index(f["drop"][0])
+        for node in f["drop"]:
+            graph.node.remove(node)
+        graph.node.insert(index, helper.make_node(
+            "GroupQueryAttention",
+            [f["q"], f["k"], f["v"], f"past_key_values.{i}.key", f"past_key_values.{i}.value", SEQLENS, TOTAL,
+             "kv.cos_cache", "kv.sin_cache", "", "", "", "", "", "", "", QUERY_LENS],
+            [f["out"], f"present.{i}.key", f"present.{i}.value"], name=f"attention.{i}", domain="com.microsoft",
+            num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=f["scale"]))
+    _drop_dead(graph)
+    keep = [i for i in graph.input if i.name in {"input_ids"} or i.name.startswith("past_key_values.")]
+    used = {name for n in graph.node for name in n.input}
+    if any(i.name in used for i in graph.input if i not in keep and i.name != "logit_positions"):
+        raise NotLowered("the graph still reads the attention mask or positions after the lowering")
+    del graph.input[:]
+    graph.input.extend([keep[0],
+                        helper.make_tensor_value_info(QUERY_LENS, TensorProto.INT32, ["batch"]),
+                        helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, ["batch"]),
+                        helper.make_tensor_value_info(TOTAL, TensorProto.INT32, []),
+                        helper.make_tensor_value_info(LOGIT_INDEX, TensorProto.INT64, ["batch", "logit_positions"]),
+                        *keep[1:]])
+    for value in list(graph.input) + list(graph.output):
+        if value.name.startswith(("past_key_values.", "present.")):
+            value.type.tensor_type.shape.dim[2].dim_param = CAPACITY_AXIS
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def _drop_dead(graph) -> None:
+    """Keep the nodes the outputs need, in an order where every input is made before it is read."""
+    producer = {o: n for n in graph.node for o in n.output}
+    needed, order, seen = set(), [], set()
+
+    def visit(tensor: str) -> None:  # depth first, iterative: graphs have thousands of nodes
+        stack = [(tensor, False)]
+        while stack:
+            name, done = stack.pop()
+            node = producer.get(name)
+            needed.add(name)
+            if node is None or id(node) in seen and not done:
+                continue
+            if done:
+                if id(node) not in seen:
+                    seen.add(id(node))
+                    order.append(node)
+                continue
+            stack.append((name, True))
+            stack.extend((i, False) for i in node.input if i and id(producer.get(i)) not in seen)
+
+    for output in graph.output:
+        visit(output.name)
+    del graph.node[:]
+    graph.node.extend(order)
+    inits = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+
+
+CHECK_LENGTHS = (5, 17, 2)  # prompts of the build check; the second is fed in two chunks while the others idle
+CHECK_STEPS = 4
+CHECK_TOLERANCE = 5e-3  # largest logit difference allowed, relative to the largest logit
+
+
+def build_kv(tmp: Path, manifest: dict) -> dict:
+    """Write the decode graph beside the optimized one and check it against that graph; return the backend
+    entry's `kv_graph` record ({"file": None, "why_not": ...} when it cannot be made or misses the check)."""
+    import onnxruntime as ort
+
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED
+
+    arch = manifest["model"]["architecture"]
+    capacity = manifest["shapes"]["total_sequence"]["max"]
+    try:
+        lowered = lower(onnx.load(str(tmp / manifest["onnx"]["file"])), arch["num_heads"], arch["num_kv_heads"],
+                        arch["head_dim"], capacity)
+    except NotLowered as exc:
+        return {"file": None, "why_not": str(exc)}
+    staged, out = tmp / "kv.portable.onnx", tmp / KV_GRAPH
+    onnx.save(lowered, str(staged))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(out)
+    options.log_severity_level = 3
+    ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
+    staged.unlink()
+    _same_lowerings(tmp / OPTIMIZED, out)
+    check = check_kv(tmp, manifest)
+    if check["max_relative_difference"] > CHECK_TOLERANCE:
+        out.unlink()
+        return {"file": None, "why_not": f"logits differ from the optimized graph by {check['max_relative_difference']:.2e} "
+                                         f"of the largest (allowed {CHECK_TOLERANCE:g})", "check": check}
+    return {"file": KV_GRAPH, "capacity": capacity, "check": check}
+
+
+def _same_lowerings(main: Path, kv: Path) -> None:
+    """Give the decode graph the optimized graph's ONNX-Runtime-only lowerings: each MatMulNBits node's accuracy
+    level (nodes keep their names through the lowering) and GatherBlockQuantized tables."""
+    from trtserve.engine_builder.onnxruntime import _gather_block_quantized
+
+    levels = {n.name: _attr(n, "accuracy_level") for n in onnx.load(str(main), load_external_data=False).graph.node
+              if n.op_type == "MatMulNBits"}
+    gathers = any(n.op_type == "GatherBlockQuantized" for n in onnx.load(str(main), load_external_data=False).graph.node)
+    model = onnx.load(str(kv))
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and levels.get(node.name) is not None:
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend(kept + [helper.make_attribute("accuracy_level", levels[node.name])])
+    if gathers:
+        _gather_block_quantized(model)
+    onnx.save(model, str(kv))
+
+
+def check_kv(tmp: Path, manifest: dict) -> dict:
+    """Random prompts through the slots (batched, right-padded, one prompt in two chunks beside idle rows, then
+    decode steps) against each prompt alone through the optimized graph, on the same tokens."""
+    from trtserve.engine_builder.artifact import EngineDir
+    from trtserve.runtime import generate
+    from trtserve.runtime.kv_slots import KVSlots
+    from trtserve.runtime.ort import OrtBackend
+
+    engine = EngineDir(tmp, manifest)
+    vocab = manifest["model"]["architecture"]["vocab_size"]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, n) for n in CHECK_LENGTHS]
+    slots = KVSlots(engine, len(prompts), threads=2)
+    rows, longest = len(prompts), max(CHECK_LENGTHS)
+    first = [n if i != 1 else n // 2 for i, n in enumerate(CHECK_LENGTHS)]
+    ids = np.zeros((rows, longest), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :first[i]] = p[:first[i]]
+    logits = slots.run(0, ids, np.array(first), np.maximum(np.array(first) - 1, 0)[:, None])[:, 0]
+    rest = CHECK_LENGTHS[1] - first[1]
+    chunk = np.zeros((rows, rest), np.int64)
+    chunk[1] = prompts[1][first[1]:]
+    logits[1] = slots.run(0, chunk, np.array([0, rest, 0]), np.array([[0], [rest - 1], [0]]))[1, 0]
+    steps = [logits]
+    for _ in range(CHECK_STEPS - 1):
+        tokens = steps[-1].argmax(-1)
+        steps.append(slots.run(0, tokens[:, None], np.ones(rows, np.int64), np.zeros((rows, 1), np.int64))[:, 0])
+    got = np.stack(steps, 1)  # (rows, steps, V)
+    backend = OrtBackend(engine, threads=2)
+    worst = 0.0
+    for i, p in enumerate(prompts):
+        forced = got[i].argmax(-1)[None]
+        _, want = generate.greedy(backend, p[None], np.ones((1, len(p)), np.int64), CHECK_STEPS, forced=forced)
+        worst = max(worst, float(np.abs(got[i] - want[0]).max() / np.abs(want[0]).max()))
+    backend.close()
+    return {"prompts": list(CHECK_LENGTHS), "steps": CHECK_STEPS, "max_relative_difference": worst}

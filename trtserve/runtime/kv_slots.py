@@ -1,0 +1,94 @@
+"""Sequence slots over the ONNX Runtime decode graph (engine_builder.kv_graph): per layer one key and one
+value buffer (slots, Hkv, capacity, D), bound through IOBinding as both the past input and the present
+output of a call, so ONNX Runtime appends each call's new rows in place. A call covers a contiguous range
+of slots; each row brings 0 (idle) or more new tokens, right-padded. Nothing is copied per step; `move`
+copies one sequence's rows when the caller compacts its slots."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trtserve.errors import InputError
+
+KV_GRAPH = "model.kv.onnx"
+QUERY_LENS, SEQLENS, TOTAL, LOGIT_INDEX = "query_seqlens", "seqlens_k", "total_sequence_length", "logit_index"
+
+
+def kv_graph_of(engine) -> str | None:
+    """The engine's decode graph file, when its build made and checked one."""
+    entry = engine.manifest.get("backend", {}).get("kv_graph") or {}
+    return entry.get("file") if entry.get("file") == KV_GRAPH and engine.file(KV_GRAPH).is_file() else None
+
+
+class KVSlots:
+    def __init__(self, engine, slots: int, threads: int | None = None, session=None):
+        import onnxruntime as ort
+
+        from trtserve.runtime.base import available_cores
+
+        if session is None:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads or available_cores()
+            options.inter_op_num_threads = 1
+            options.log_severity_level = 3
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized at build
+            session = ort.InferenceSession(str(engine.file(KV_GRAPH)), options, providers=["CPUExecutionProvider"])
+        self.session = session
+        self.capacity = engine.manifest["shapes"]["total_sequence"]["max"]
+        self.slots = slots
+        self.names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+        shapes = {i.name: i.shape for i in session.get_inputs()}
+        # np.zeros maps pages lazily: a slot's memory becomes resident as its sequence grows
+        self.buffers = {n: np.zeros((slots, shapes[n][1], self.capacity, shapes[n][3]), np.float32) for n in self.names}
+        self.length = np.zeros(slots, np.int64)  # tokens cached per slot
+
+    def run(self, first: int, ids: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+        """Feed slots [first, first + B) their new tokens: ids (B, S) right-padded, counts (B,) real tokens per
+        row (0: idle), logit_index (B, K) positions within the S new ones. Returns logits (B, K, V)."""
+        rows, width = ids.shape
+        if first < 0 or first + rows > self.slots:
+            raise InputError(f"slots {first}..{first + rows - 1} are outside 0..{self.slots - 1}")
+        before = self.length[first:first + rows]
+        after = before + counts
+        if (after > self.capacity).any():
+            raise InputError(f"a sequence would hold {int(after.max())} tokens, the cache holds {self.capacity}")
+        if (after < 1).any():
+            raise InputError("an idle row has no cached tokens")
+        if rows > 1 and (before + width > self.capacity).any():
+            return self._row_by_row(first, ids, counts, logit_index)  # the padded chunk would not fit a row
+        binding = self.session.io_binding()
+        feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), QUERY_LENS: counts.astype(np.int32),
+                 SEQLENS: (after - 1).astype(np.int32), TOTAL: np.array(max(int(after.max()), width), np.int32),
+                 LOGIT_INDEX: np.ascontiguousarray(logit_index, np.int64)}
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
+        for name in self.names:
+            view = self.buffers[name][first:first + rows]  # contiguous: slots are the leading axis
+            binding.bind_input(name, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+            binding.bind_output("present." + name[len("past_key_values."):], "cpu", 0, np.float32, list(view.shape),
+                                view.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        self.length[first:first + rows] = after
+        return binding.get_outputs()[0].numpy()  # the logits alone: the presents are the buffers
+
+    def _row_by_row(self, first: int, ids: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+        """The same call one row at a time, each with its own tokens unpadded (a row near the end of its cache
+        has no room for a padded chunk)."""
+        out = None
+        for r in np.flatnonzero(counts):
+            n = int(counts[r])
+            logits = self.run(first + r, ids[r:r + 1, :n], counts[r:r + 1], np.minimum(logit_index[r:r + 1], n - 1))
+            out = np.zeros((len(ids), *logits.shape[1:]), logits.dtype) if out is None else out
+            out[r] = logits[0]
+        return out
+
+    def move(self, source: int, target: int) -> None:
+        """Slot `source`'s sequence into slot `target` (its cached rows only)."""
+        n = int(self.length[source])
+        for buffer in self.buffers.values():
+            buffer[target, :, :n] = buffer[source, :, :n]
+        self.length[target], self.length[source] = n, 0
+
+    def clear(self, slot: int) -> None:
+        self.length[slot] = 0
