@@ -1,6 +1,6 @@
 """The ONNX Runtime decode graph: each layer's attention as one GroupQueryAttention node whose past and
 present key/value are the same preallocated buffer, so a decode step appends in place instead of copying
-the cache.
+the cache; each RMS norm becomes ONNX Runtime's fused SimplifiedLayerNormalization.
 
 The portable graph keeps the standard contract (left-padded attention_mask, past in, past + new out);
 this graph is a lowering of it for ONNX Runtime only, found by the graph's structure (rotary halves,
@@ -184,6 +184,48 @@ def _logit_gather(g: _Graph) -> None:
                                                 name="logit_index.unsqueeze"))
 
 
+def _rms_norms(g: _Graph) -> int:
+    """weight * (x * 1 / sqrt(mean(x^2) + eps)) -> SimplifiedLayerNormalization(x, weight): ONNX Runtime's
+    fused RMS norm (its own optimizer then joins a residual Add before it into SkipSimplifiedLayerNormalization).
+    Returns how many were fused."""
+    fused = 0
+    for pow_ in [n for n in g.graph.node if n.op_type == "Pow"]:
+        two = g.const(pow_.input[1])
+        if two is None or two.size != 1 or float(two.ravel()[0]) != 2.0:
+            continue
+        x = pow_.input[0]
+        try:
+            mean = _only_reader(g, pow_.output[0], "ReduceMean")
+            add = _only_reader(g, mean.output[0], "Add")
+            sqrt = _only_reader(g, add.output[0], "Sqrt")
+            reciprocal = _only_reader(g, sqrt.output[0], "Reciprocal")
+            scaled = _only_reader(g, reciprocal.output[0], "Mul")
+            weighted = _only_reader(g, scaled.output[0], "Mul")
+        except NotLowered:
+            continue
+        axes = g.const(mean.input[1]) if len(mean.input) > 1 else np.array(_attr(mean, "axes", []))
+        eps = g.const(next((i for i in add.input if i != mean.output[0]), ""))
+        weight = next(i for i in weighted.input if i != scaled.output[0])
+        w = g.const(weight)
+        if (axes is None or axes.ravel().tolist() != [-1] or _attr(mean, "keepdims", 1) != 1 or eps is None
+                or eps.size != 1 or x not in scaled.input or w is None or w.ndim != 1):
+            continue
+        index = list(g.graph.node).index(weighted)
+        g.graph.node.remove(weighted)
+        g.graph.node.insert(index, helper.make_node("SimplifiedLayerNormalization", [x, weight], [weighted.output[0]],
+                                                    name=f"{weighted.name or weighted.output[0]}.rms_norm", axis=-1,
+                                                    epsilon=float(eps.ravel()[0]), stash_type=1))
+        fused += 1
+    return fused
+
+
+def _only_reader(g: _Graph, tensor: str, op: str):
+    readers = g.readers.get(tensor, [])
+    if len(readers) != 1 or readers[0].op_type != op:
+        raise NotLowered(f"{tensor} is not read by one {op}")
+    return readers[0]
+
+
 def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity: int) -> onnx.ModelProto:
     """The decode graph of a portable decoder graph (a copy); NotLowered says why it cannot be made."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
@@ -202,6 +244,7 @@ def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity
     if inv_freq.size != head // 2:
         raise NotLowered(f"the rotary frequencies have {inv_freq.size} entries, not D/2 = {head // 2}")
     _logit_gather(g)
+    _rms_norms(g)
     angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
     graph.initializer.extend([numpy_helper.from_array(np.cos(angles).astype(np.float32), "kv.cos_cache"),
                               numpy_helper.from_array(np.sin(angles).astype(np.float32), "kv.sin_cache")])
