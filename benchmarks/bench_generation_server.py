@@ -7,7 +7,8 @@ tokens per second at a fixed concurrency, for several `--max-prefill-tokens` set
 Each client streams completions back to back; every request's prompt is `--prompt` token ids of real
 Wikipedia text (a different start per request, the same ids for every setting), greedy, `--tokens`
 tokens with ignore_eos. Inter-token latency is the gap between successive streamed tokens of one
-request; every token streamed within the window counts, of finished requests or not.
+request; every token streamed within the window counts, of finished requests or not. After each
+setting the same load runs on the worker's batcher in this process (no HTTP, no pipe), for the ratio.
 """
 
 from __future__ import annotations
@@ -76,6 +77,31 @@ def load(url: str, model: str, concurrency: int, seconds: float, rows: list[list
             "ttft_p99_s": pct(ttft, 99), "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3}
 
 
+def in_process(engine: Path, concurrency: int, seconds: float, rows: list[list[int]], tokens: int, setting: int,
+               max_num_seqs: int) -> float:
+    """Output tok/s of the same load on the batcher the worker runs, in this process (no HTTP, no pipe):
+    `concurrency` sequences in flight, a new one added as each ends."""
+    from trtserve.runtime import load_backend
+    from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.slot_batching import make_batcher
+    from trtserve.runtime.text import TextEngine
+
+    text = TextEngine(load_backend(engine))
+    batcher = make_batcher(text.backend, text.eos_ids, max_num_seqs, 4096, text.pad_id, setting or None)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i in range(concurrency):
+        batcher.add(str(i), rows[i % len(rows)], params)
+    added, count, stop = concurrency, 0, time.perf_counter() + seconds
+    began = time.perf_counter()
+    while time.perf_counter() < stop:
+        for event in batcher.step():
+            count += event.token >= 0
+            if event.finish or event.error:
+                batcher.add(str(added), rows[added % len(rows)], params)
+                added += 1
+    return count / (time.perf_counter() - began)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", type=Path, default=Path("engines/smollm2"))
@@ -98,12 +124,16 @@ def main() -> None:
             results[setting] = load(url, model, args.concurrency, args.seconds, rows, args.tokens)
         finally:
             stop_server(proc)
+        results[setting]["in_process_tok_s"] = in_process(args.engine, args.concurrency, args.seconds, rows,
+                                                          args.tokens, setting, args.max_num_seqs)
     print(f"{model} over HTTP: concurrency {args.concurrency}, {args.prompt}-token real prompts, {args.tokens} "
           f"tokens, {args.seconds:.0f} s per setting, --max-num-seqs {args.max_num_seqs}")
-    print("| --max-prefill-tokens | requests finished | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | p99/p50 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| --max-prefill-tokens | requests finished | output tok/s | in process | HTTP / in process | TTFT p50 "
+          "| TTFT p99 | ITL p50 | ITL p99 | p99/p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for setting, r in results.items():
-        print(f"| {setting or 'whole prefill'} | {r['requests']} | {r['output_tok_s']:.1f} | {r['ttft_p50_s']:.2f} s "
+        print(f"| {setting or 'whole prefill'} | {r['requests']} | {r['output_tok_s']:.1f} | {r['in_process_tok_s']:.1f} "
+              f"| {r['output_tok_s'] / r['in_process_tok_s']:.0%} | {r['ttft_p50_s']:.2f} s "
               f"| {r['ttft_p99_s']:.2f} s | {r['itl_p50_ms']:.0f} ms | {r['itl_p99_ms']:.0f} ms "
               f"| {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} |")
 

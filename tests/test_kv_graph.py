@@ -147,3 +147,10 @@ def test_a_row_too_close_to_the_end_of_its_cache_is_fed_alone(tiny):
     ids[0, 0], ids[1] = long[-1], short
     logits = slots.run(0, ids, np.array([1, 8]), np.array([[0], [7]]))  # 61 + 8 padded rows would not fit slot 0
     assert list(slots.length) == [CAPACITY - 2, 8] and np.isfinite(logits).all()
+
+
+def test_engines_without_a_decode_graph_keep_the_padded_batcher(tiny):
+    without = EngineDir(tiny.path, {**tiny.manifest, "backend": {**tiny.manifest["backend"], "kv_graph": {
+        "file": None, "why_not": "built before the decode graph"}}})
+    batcher = make_batcher(OrtBackend(without, threads=1), {95}, 2)
+    assert type(batcher) is ContinuousBatcher
