@@ -90,5 +90,14 @@ class KVSlots:
             buffer[target, :, :n] = buffer[source, :, :n]
         self.length[target], self.length[source] = n, 0
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two slots' sequences (their cached rows only)."""
+        n, m = int(self.length[a]), int(self.length[b])
+        for buffer in self.buffers.values():
+            kept = buffer[a, :, :n].copy()
+            buffer[a, :, :m] = buffer[b, :, :m]
+            buffer[b, :, :n] = kept
+        self.length[a], self.length[b] = m, n
+
     def clear(self, slot: int) -> None:
         self.length[slot] = 0

@@ -1,10 +1,11 @@
 """Continuous batching over sequence slots (runtime.kv_slots): each sequence owns one slot of the KV
-buffers from admission to its end, and its cache grows in place. Running sequences hold slots
-[0, n) with no holes: when one ends, the sequence in the last slot moves into its slot (one sequence's
-rows copied, nobody else's). Newcomers take the next slots; each step feeds them one chunk of their
-prompts (at most `max_prefill_tokens` padded tokens across them, right-padded) and then decodes one
-token for every sequence whose prompt is in, so a newcomer joins the decode steps as soon as its own
-prompt is fed. Scheduling, sampling and finish rules are the ContinuousBatcher's."""
+buffers and its cache grows in place. Slots [0, d) hold the sequences being decoded and [d, n) the
+newcomers being prefilled, so every call covers only rows that have work: one call per step feeds the
+newcomers one chunk of their prompts (at most `max_prefill_tokens` padded tokens across them,
+right-padded), then one call decodes a token for each of [0, d). A newcomer whose prompt is in swaps
+into slot d and joins the next decode call, without waiting for the others; a sequence that ends
+gives its slot to the last decoding one, whose slot goes to the last newcomer (at most two sequences'
+rows copied, nobody else's). Scheduling, sampling and finish rules are the ContinuousBatcher's."""
 
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ class SlotBatcher(ContinuousBatcher):
         self.slots = backend.kv_slots(self.max_num_seqs)
         self.max_seq = min(self.max_seq, self.slots.capacity)
         self.table: list[Sequence] = []  # slot -> its sequence; no holes
+        self.d = 0  # slots [0, d) decode, [d, len(table)) are being prefilled
         self.scored: list[np.ndarray] = []  # prompt logits so far of a sequence that asked for them
 
     def decoding(self) -> list[Sequence]:
-        return [s for s in self.table if s.length >= len(s.prompt)]
+        return self.table[:self.d]
 
     @property
     def prefilling(self) -> int:
-        return len(self.table) - self.running
+        return len(self.table) - self.d
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.table)
@@ -62,10 +64,9 @@ class SlotBatcher(ContinuousBatcher):
                 seq.length = 0
                 self.slots.clear(len(self.table))
                 self.table.append(seq)
-        self.newcomers = [s for s in self.table if s.length < len(s.prompt)]
+        self.newcomers = self.table[self.d:]
         events = self._prefill_chunk() if self.newcomers else []
-        ready = [i for i, s in enumerate(self.table) if s.length >= len(s.prompt) and s.generated]
-        return events + (self._decode_rows(ready) if ready else [])
+        return events + (self._decode_rows() if self.d else [])
 
     def _call(self, first: int, ids: np.ndarray, counts: np.ndarray, index: np.ndarray, seqs: list[Sequence]):
         """One call over slots [first, first + len(ids)); on failure its sequences end with the error."""
@@ -77,33 +78,30 @@ class SlotBatcher(ContinuousBatcher):
             return None, [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
 
     def _prefill_chunk(self) -> list[Event]:
-        rows = [i for i, s in enumerate(self.table) if s.length < len(s.prompt)]
-        first, last = rows[0], rows[-1] + 1
-        left = {i: len(self.table[i].prompt) - self.table[i].length for i in rows}
-        budget = self.max_prefill_tokens or len(rows) * max(left.values())
-        width = min(max(left.values()), max(1, budget // len(rows)))
-        ids = np.full((last - first, width), self.pad_id, dtype=np.int64)
-        counts = np.zeros(last - first, dtype=np.int64)
-        for i in rows:
-            s = self.table[i]
-            counts[i - first] = min(width, left[i])
-            ids[i - first, :counts[i - first]] = s.prompt[s.length:s.length + counts[i - first]]
-        scored = self.table[rows[0]].params.prompt_logprobs if len(rows) == 1 else None
-        index = (np.arange(width)[None, :].repeat(last - first, 0) if scored is not None
-                 else np.maximum(counts - 1, 0)[:, None])
-        seqs = [self.table[i] for i in rows]
-        logits, events = self._call(first, ids, counts, np.minimum(index, np.maximum(counts - 1, 0)[:, None]), seqs)
+        first, seqs = self.d, self.table[self.d:]
+        left = [len(s.prompt) - s.length for s in seqs]
+        budget = self.max_prefill_tokens or len(seqs) * max(left)
+        width = min(max(left), max(1, budget // len(seqs)))
+        ids = np.full((len(seqs), width), self.pad_id, dtype=np.int64)
+        counts = np.minimum(width, left)
+        for row, s in enumerate(seqs):
+            ids[row, :counts[row]] = s.prompt[s.length:s.length + counts[row]]
+        scored = seqs[0].params.prompt_logprobs if len(seqs) == 1 else None
+        last = (counts - 1)[:, None]
+        index = np.minimum(np.arange(width)[None, :], last) if scored is not None else last
+        logits, events = self._call(first, ids, counts, index, seqs)
         if logits is None:
             self.scored = []
             return events
         done = []
-        for i in rows:
-            s = self.table[i]
-            s.length += int(counts[i - first])
+        for row, s in enumerate(seqs):
+            s.length += int(counts[row])
             if scored is not None:
-                self.scored.append(logits[i - first, :counts[i - first]])
+                self.scored.append(logits[row, :counts[row]])
             if s.length == len(s.prompt):
-                done.append((s, logits[i - first, counts[i - first] - 1 if scored is not None else 0]))
+                done.append((s, logits[row, -1]))
+                self._swap(self.table.index(s), self.d)  # into the decoding slots
+                self.d += 1
         if not done:
             return []
         events = self._choose([s for s, _ in done], np.stack([row for _, row in done]))
@@ -117,29 +115,39 @@ class SlotBatcher(ContinuousBatcher):
             self.scored = []
         return events
 
-    def _decode_rows(self, rows: list[int]) -> list[Event]:
-        last = rows[-1] + 1
-        ids = np.full((last, 1), self.pad_id, dtype=np.int64)
-        counts = np.zeros(last, dtype=np.int64)
-        for i in rows:
-            ids[i, 0], counts[i] = self.table[i].next_token, 1
-        seqs = [self.table[i] for i in rows]
-        logits, events = self._call(0, ids, counts, np.zeros((last, 1), np.int64), seqs)
+    def _decode_rows(self) -> list[Event]:
+        seqs = self.table[:self.d]
+        ids = np.array([[s.next_token] for s in seqs], dtype=np.int64)
+        logits, events = self._call(0, ids, np.ones(len(seqs), np.int64), np.zeros((len(seqs), 1), np.int64), seqs)
         if logits is None:
             return events
         for s in seqs:
             s.length += 1
-        return self._choose(seqs, logits[rows, 0])
+        return self._choose(seqs, logits[:, 0])
 
     def _finish(self, ids: set[str]) -> None:
         self._drop([i for i, s in enumerate(self.table) if s.id in ids])
 
+    def _move(self, source: int, target: int) -> None:
+        if source != target:
+            self.slots.move(source, target)
+            self.table[target] = self.table[source]
+
+    def _swap(self, a: int, b: int) -> None:
+        if a != b:
+            self.slots.swap(a, b)
+            self.table[a], self.table[b] = self.table[b], self.table[a]
+
     def _drop(self, rows: list[int]) -> None:
-        """Free slots: the sequence in the last slot moves into each freed one."""
+        """Free slots, keeping [0, d) decoding and [d, n) prefilling with no holes: a decoding slot gets the
+        last decoding sequence, whose slot gets the last newcomer; a newcomer's slot gets the last newcomer."""
         for row in sorted(set(rows), reverse=True):
             last = len(self.table) - 1
-            if row != last:
-                self.slots.move(last, row)
-                self.table[row] = self.table[last]
+            if row < self.d:
+                self._move(self.d - 1, row)
+                self._move(last, self.d - 1)
+                self.d -= 1
+            else:
+                self._move(last, row)
             self.slots.clear(last)
             self.table.pop()
