@@ -154,3 +154,21 @@ def test_engines_without_a_decode_graph_keep_the_padded_batcher(tiny):
         "file": None, "why_not": "built before the decode graph"}}})
     batcher = make_batcher(OrtBackend(without, threads=1), {95}, 2)
     assert type(batcher) is ContinuousBatcher
+
+
+def test_buffers_grow_as_the_longest_sequence_needs_and_keep_every_row(tiny):
+    from trtserve.runtime.kv_slots import KVSlots
+
+    rng = np.random.default_rng(6)
+    prompts = rng.integers(0, 96, (2, 30))
+    results = []
+    for initial in (4, CAPACITY):
+        slots = KVSlots(tiny, 2, threads=1, initial=initial)
+        out = [slots.run(0, prompts[:, :3], np.array([3, 3]), np.array([[2], [2]]))]
+        out.append(slots.run(1, prompts[1:, 3:30], np.array([27]), np.array([[26]])))  # slot 1 alone past 4
+        out.append(slots.run(0, prompts[:, :1], np.array([1, 1]), np.zeros((2, 1), np.int64)))
+        results.append((slots.allocated, out))
+    (grown, small), (full, big) = results
+    assert grown == 32 and full == CAPACITY
+    for a, b in zip(small, big):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

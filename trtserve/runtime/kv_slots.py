@@ -1,5 +1,5 @@
 """Sequence slots over the ONNX Runtime decode graph (engine_builder.kv_graph): per layer one key and one
-value buffer (slots, Hkv, capacity, D), bound through IOBinding as both the past input and the present
+value buffer (slots, Hkv, length, D), bound through IOBinding as both the past input and the present
 output of a call, so ONNX Runtime appends each call's new rows in place. A call covers a contiguous range
 of slots; each row brings 0 (idle) or more new tokens, right-padded. Nothing is copied per step; `move`
 copies one sequence's rows when the caller compacts its slots."""
@@ -21,7 +21,10 @@ def kv_graph_of(engine) -> str | None:
 
 
 class KVSlots:
-    def __init__(self, engine, slots: int, threads: int | None = None, session=None):
+    def __init__(self, engine, slots: int, threads: int | None = None, session=None, initial: int = 256):
+        """`initial`: the buffers' first length; they grow by doubling up to the engine's context as the longest
+        sequence needs (ONNX Runtime's attention scratch is sized by the buffers' length, so a short batch stays
+        small)."""
         import onnxruntime as ort
 
         from trtserve.runtime.base import available_cores
@@ -38,9 +41,21 @@ class KVSlots:
         self.slots = slots
         self.names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         shapes = {i.name: i.shape for i in session.get_inputs()}
-        # np.zeros maps pages lazily: a slot's memory becomes resident as its sequence grows
-        self.buffers = {n: np.zeros((slots, shapes[n][1], self.capacity, shapes[n][3]), np.float32) for n in self.names}
+        self.allocated = min(initial, self.capacity)  # the buffers' length axis now
+        self.buffers = {n: np.zeros((slots, shapes[n][1], self.allocated, shapes[n][3]), np.float32) for n in self.names}
         self.length = np.zeros(slots, np.int64)  # tokens cached per slot
+
+    def _grow(self, need: int) -> None:
+        """Longer buffers (doubling, at most the engine's context), every slot's cached rows copied over."""
+        size = self.allocated
+        while size < need:
+            size *= 2
+        size = min(size, self.capacity)
+        for name, old in self.buffers.items():
+            new = np.zeros(old.shape[:2] + (size,) + old.shape[3:], np.float32)
+            new[:, :, :self.allocated] = old
+            self.buffers[name] = new
+        self.allocated = size
 
     def run(self, first: int, ids: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
         """Feed slots [first, first + B) their new tokens: ids (B, S) right-padded, counts (B,) real tokens per
@@ -56,6 +71,8 @@ class KVSlots:
             raise InputError("an idle row has no cached tokens")
         if rows > 1 and (before + width > self.capacity).any():
             return self._row_by_row(first, ids, counts, logit_index)  # the padded chunk would not fit a row
+        if int((before + width).max()) > self.allocated:
+            self._grow(int((before + width).max()))
         binding = self.session.io_binding()
         feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), QUERY_LENS: counts.astype(np.int32),
                  SEQLENS: (after - 1).astype(np.int32), TOTAL: np.array(max(int(after.max()), width), np.int32),
