@@ -349,9 +349,9 @@ def _same_lowerings(main: Path, kv: Path) -> None:
     level (nodes keep their names through the lowering) and GatherBlockQuantized tables."""
     from trtserve.engine_builder.onnxruntime import _gather_block_quantized
 
-    levels = {n.name: _attr(n, "accuracy_level") for n in onnx.load(str(main), load_external_data=False).graph.node
-              if n.op_type == "MatMulNBits"}
-    gathers = any(n.op_type == "GatherBlockQuantized" for n in onnx.load(str(main), load_external_data=False).graph.node)
+    nodes = onnx.load(str(main), load_external_data=False).graph.node
+    levels = {n.name: _attr(n, "accuracy_level") for n in nodes if n.op_type == "MatMulNBits"}
+    gathers = any(n.op_type == "GatherBlockQuantized" for n in nodes)
     model = onnx.load(str(kv))
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and levels.get(node.name) is not None:

@@ -96,11 +96,17 @@ class ContinuousBatcher:
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
         self.waiting.append(Sequence(seq_id, list(prompt), params, Sampler(params, self.vocab)))
 
-    def cancel(self, seq_id: str) -> bool:
+    def _unwait(self, seq_id: str) -> bool:
+        """Take a sequence out of the waiting queue; whether it was there."""
         for seq in list(self.waiting):
             if seq.id == seq_id:
                 self.waiting.remove(seq)
                 return True
+        return False
+
+    def cancel(self, seq_id: str) -> bool:
+        if self._unwait(seq_id):
+            return True
         if self.prefill and any(s.id == seq_id for s in self.prefill.seqs):
             self.prefill.keep([i for i, s in enumerate(self.prefill.seqs) if s.id != seq_id])
             if not self.prefill.seqs:
@@ -193,12 +199,17 @@ class ContinuousBatcher:
         self.batch = _merge(self.batch, _Batch(list(seqs), p.state.past, p.state.mask))
         events = self._choose(seqs, logits[:, -1])
         if scored is not None:
-            try:
-                events[0].prompt_logprobs = prompt_logprobs(seqs[0].prompt, np.concatenate(p.logits), scored)
-            except Exception as exc:  # noqa: BLE001 - as for sampling: this sequence ends, the rest go on
-                events[0] = Event(seqs[0].id, -1, error=f"{type(exc).__name__}: {exc}")
-                self._drop([i for i, s in enumerate(self.batch.seqs) if s.id == seqs[0].id])
+            self._score_prompt(events, seqs[0], np.concatenate(p.logits), scored)
         return events
+
+    def _score_prompt(self, events: list[Event], seq: Sequence, logits: np.ndarray, top: int) -> None:
+        """Put the prompt's logprobs on the sequence's first event (events[0]); if they cannot be computed,
+        that event becomes the error and the sequence ends (as for sampling: the rest go on)."""
+        try:
+            events[0].prompt_logprobs = prompt_logprobs(seq.prompt, logits, top)
+        except Exception as exc:  # noqa: BLE001
+            events[0] = Event(seq.id, -1, error=f"{type(exc).__name__}: {exc}")
+            self._finish({seq.id})
 
     def _decode(self) -> list[Event]:
         b = self.batch

@@ -13,7 +13,6 @@ import numpy as np
 
 from trtserve.runtime.base import Backend
 from trtserve.runtime.batching import ContinuousBatcher, Event, Sequence
-from trtserve.runtime.sampling import prompt_logprobs
 
 
 def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
@@ -49,10 +48,8 @@ class SlotBatcher(ContinuousBatcher):
         return list(self.waiting) + self.table
 
     def cancel(self, seq_id: str) -> bool:
-        for seq in list(self.waiting):
-            if seq.id == seq_id:
-                self.waiting.remove(seq)
-                return True
+        if self._unwait(seq_id):
+            return True
         rows = [i for i, s in enumerate(self.table) if s.id == seq_id]
         self._drop(rows)
         self.newcomers = [s for s in self.newcomers if s.id != seq_id]
@@ -106,12 +103,7 @@ class SlotBatcher(ContinuousBatcher):
             return []
         events = self._choose([s for s, _ in done], np.stack([row for _, row in done]))
         if scored is not None:
-            seq = done[0][0]
-            try:
-                events[0].prompt_logprobs = prompt_logprobs(seq.prompt, np.concatenate(self.scored), scored)
-            except Exception as exc:  # noqa: BLE001 - as for sampling: this sequence ends, the rest go on
-                events[0] = Event(seq.id, -1, error=f"{type(exc).__name__}: {exc}")
-                self._drop([i for i, s in enumerate(self.table) if s.id == seq.id])
+            self._score_prompt(events, done[0][0], np.concatenate(self.scored), scored)
             self.scored = []
         return events
 
