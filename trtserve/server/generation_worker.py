@@ -22,16 +22,28 @@ log = logging.getLogger("trtserve.server")
 _ids = itertools.count()
 
 
-def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None) -> None:
+def new_batcher(text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None):
+    """A batcher over `text`'s backend with the sessions it decodes with loaded: a worker builds its
+    first one before it reports ready, so that loading never counts against a step's deadline."""
+    from trtserve.runtime.slot_batching import SlotBatcher, make_batcher
+
+    batcher = make_batcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id,
+                           max_prefill_tokens)
+    if not isinstance(batcher, SlotBatcher):
+        getattr(text.backend, "session", None)  # ONNX Runtime loads its session on first use
+    return batcher
+
+
+def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None,
+                    batcher=None) -> None:
     """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
-    which join the waiting queue together), ("cancel", id), ("stop", None)."""
-    from trtserve.runtime.slot_batching import make_batcher
+    which join the waiting queue together), ("cancel", id), ("stop", None). `batcher`: one already
+    built by new_batcher with the same options."""
 
     def fresh():
-        return make_batcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id,
-                            max_prefill_tokens)
+        return new_batcher(text, max_num_seqs, max_batched_tokens, max_prefill_tokens)
 
-    batcher = fresh()
+    batcher = fresh() if batcher is None else batcher
     while True:
         try:
             waiting = not batcher.has_work()

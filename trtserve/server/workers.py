@@ -37,14 +37,16 @@ def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops its workers
     try:
         text = _load(engine_dir, threads)
+        if generation is not None:  # its sessions are loaded before it reports ready
+            from trtserve.server.generation_worker import generation_loop, new_batcher
+
+            batcher = new_batcher(text, **generation)
     except Exception as exc:  # reported to the server, which refuses to start with this message
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", os.getpid()))
     if generation is not None:
-        from trtserve.server.generation_worker import generation_loop
-
-        generation_loop(conn, text, **generation)
+        generation_loop(conn, text, **generation, batcher=batcher)
         text.backend.close()
         return
     while True:
@@ -98,7 +100,9 @@ class Worker:
             if self.text is None:
                 self.text = _load(self.engine_dir, self.threads)
             if self.generation is not None:
-                self.start_loop()
+                from trtserve.server.generation_worker import new_batcher
+
+                self.start_loop(new_batcher(self.text, **self.generation))
             self.ready = True
             return
         if self.conn is not None:  # the pipe of a process that died
@@ -128,12 +132,13 @@ class Worker:
             self._open_channel()
         self.ready = True
 
-    def start_loop(self) -> None:
+    def start_loop(self, batcher=None) -> None:
         """In-process decoder worker: the batcher on a thread of this process, over a local pipe."""
         from trtserve.server.generation_worker import generation_loop
 
         parent, child = multiprocessing.Pipe()
-        self.thread = threading.Thread(target=generation_loop, args=(child, self.text), kwargs=self.generation,
+        self.thread = threading.Thread(target=generation_loop, args=(child, self.text),
+                                       kwargs={**self.generation, "batcher": batcher},
                                        name="trtserve-generation", daemon=True)
         self.thread.start()
         self.conn = parent
