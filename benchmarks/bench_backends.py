@@ -30,8 +30,8 @@ def timed(fn, seconds: float, min_runs: int = 5, warmup: int = 3) -> float:
 
 
 def ensure_engine(name: str, out: Path) -> Path:
-    from trtserve.engine_builder.artifact import open_engine_dir
     from trtserve.engine_builder.build import BuildConfig, build_engine
+    from trtserve.engine_dir import open_engine_dir
     from trtserve.errors import EngineDirError
 
     try:
@@ -42,7 +42,7 @@ def ensure_engine(name: str, out: Path) -> Path:
 
 
 def real_tokens(tokenizer, rows: int, length: int) -> np.ndarray:
-    from trtserve.eval.data import wiki_text
+    from trtserve.data.corpus import wiki_text
 
     out = [tokenizer(wiki_text(2 * length, 10 * i), add_special_tokens=False)["input_ids"][:length] for i in range(rows)]
     return np.array(out, dtype=np.int64)

@@ -70,7 +70,7 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    from trtserve.eval.data import wiki_text
+    from trtserve.data.corpus import wiki_text
     from trtserve.runtime.text import TextEngine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

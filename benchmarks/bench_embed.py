@@ -40,7 +40,7 @@ def feeds(engine: Path, batch: int, length: int) -> dict:
 
 def sentence_cosines(sessions: dict, engine: Path) -> dict:
     """(mean, worst) cosine of each session's sentence embeddings to the first session's."""
-    from trtserve.eval.sentiment import polarity
+    from trtserve.data.sentiment import polarity
     from trtserve.models.loading import load_tokenizer
 
     texts, _ = polarity()

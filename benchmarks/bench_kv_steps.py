@@ -67,7 +67,7 @@ def attention_ms(engine, past: int, steps: int, threads: int) -> float:
 
 
 def main() -> None:
-    from trtserve.engine_builder.artifact import open_engine_dir
+    from trtserve.engine_dir import open_engine_dir
     from trtserve.runtime.ort import OrtBackend
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

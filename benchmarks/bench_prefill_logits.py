@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    from trtserve.eval.data import wiki_text
+    from trtserve.data.corpus import wiki_text
     from trtserve.runtime import generate, load_backend
     from trtserve.runtime.text import TextEngine
 

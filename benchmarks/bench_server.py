@@ -24,7 +24,7 @@ from tests.server_process import start_server, stop_server  # noqa: E402  (same 
 
 
 def texts(n: int) -> list[str]:
-    from trtserve.eval.data import wiki_paragraphs
+    from trtserve.data.corpus import wiki_paragraphs
 
     return [" ".join(p.split()[:32]) for p in wiki_paragraphs()[:n]]
 

@@ -22,14 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtserve.deploy.engines import engine_for  # noqa: E402
 from trtserve.models.pt_model import load_checkpoint  # noqa: E402
-from trtserve.models.pt_train import checkpoint, results, to_compact  # noqa: E402
+from trtserve.research.pt_train import checkpoint, results, to_compact  # noqa: E402
+from trtserve.research.torch_shards import torch_decoder  # noqa: E402
 from trtserve.runtime.sharded import ShardedDecoder  # noqa: E402
 
 
 def prompt_ids(path: Path, length: int) -> np.ndarray:
     from tokenizers import Tokenizer
 
-    from trtserve.eval.data import wiki_text
+    from trtserve.data.corpus import wiki_text
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     ids = tok.encode(wiki_text(length * 2, start=5000), add_special_tokens=False).ids[:length]
@@ -102,7 +103,9 @@ def main() -> None:
         row = {}
         layouts = [("pt", paths["pt"]), ("tp", paths["tp"])] + ([("pt-ort", engine)] if engine else [])
         for name, path in layouts:
-            with ShardedDecoder(path, world, name[:2], threads=args.threads) as decoder:
+            sharded = ShardedDecoder(path, world, args.threads) if name == "pt-ort" else \
+                torch_decoder(path, world, name, args.threads)
+            with sharded as decoder:
                 row[name] = measure(decoder.prefill, decoder.decode, prompt, args.new, args.repeats)
             ttft, tpot, syncs = row[name]
             print(f"{world:>7} {name:>6} {syncs:>9} {ttft * 1e3:9.2f} {tpot * 1e3:9.2f}")

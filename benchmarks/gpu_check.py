@@ -33,7 +33,7 @@ def timed(fn, sync, seconds: float, warmup: int = 3) -> float:
 def batch(tokenizer, rows: int, length: int, device):
     import torch
 
-    from trtserve.eval.data import wiki_text
+    from trtserve.data.corpus import wiki_text
 
     ids = [tokenizer(wiki_text(2 * length, 10 * i), add_special_tokens=False)["input_ids"][:length] for i in range(rows)]
     ids = torch.tensor(ids, device=device)

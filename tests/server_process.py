@@ -19,13 +19,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(engine, *flags):
+def start_server(engine, *flags, env: dict | None = None):
+    """`env`: the server's whole environment (its worker processes inherit it); None: this one's."""
     port = free_port()
     # The log goes to a file: an unread pipe fills up after a few hundred access-log lines and
     # then blocks the server.
     log = tempfile.NamedTemporaryFile("w+", prefix="trtserve-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     proc.log_path = Path(log.name)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from trtserve.engine_builder.artifact import open_engine_dir
+from trtserve.engine_dir import open_engine_dir
 from trtserve.errors import EngineDirError, InputError
 from trtserve.runtime import generate, load_backend
 

@@ -194,12 +194,12 @@ def fp16_smollm2(tmp_path_factory):
 
 
 def test_nan_logits_end_their_sequence_and_spare_its_neighbours_and_the_worker(fp16_smollm2):
+    import numpy as np
+
     from trtserve.runtime import generate, load_backend
     from trtserve.runtime.batching import ContinuousBatcher
     from trtserve.runtime.sampling import SamplingParams
     from trtserve.runtime.text import TextEngine
-
-    import numpy as np
 
     text = TextEngine(load_backend(fp16_smollm2))
     short, long = text.tokenize(["Hi", "The capital of France is a city called"], add_special_tokens=False)

@@ -2,20 +2,17 @@
 real server on loopback. After every hostile body the server must still be healthy, answer a canary
 request, and have restarted no worker; overload is a 429; faults are answered within the deadline."""
 
-import concurrent.futures
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import ROOT, require_package
-from tests.server_process import metric, start_server, stop_server
+from tests.server_process import start_server, stop_server
 
 pytestmark = pytest.mark.models
 MODEL = "SmolLM2-135M-Instruct"

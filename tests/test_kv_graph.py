@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0) to export the tiny model")
 transformers = pytest.importorskip("transformers", reason="needs transformers to make the tiny model")
 
-from trtserve.engine_builder.artifact import EngineDir  # noqa: E402
 from trtserve.engine_builder.kv_graph import NotLowered, build_kv, lower  # noqa: E402
+from trtserve.engine_dir import EngineDir  # noqa: E402
 from trtserve.runtime.batching import ContinuousBatcher  # noqa: E402
 from trtserve.runtime.kv_slots import KV_GRAPH  # noqa: E402
 from trtserve.runtime.ort import OrtBackend  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,9 +118,12 @@ def reference_steps(checkpoint, prompt: np.ndarray, steps: int):
 
 
 def sharded_steps(checkpoint, mode: str, world: int, prompt: np.ndarray, tokens):
+    from trtserve.engine_dir import MANIFEST
+    from trtserve.research.torch_shards import torch_decoder
     from trtserve.runtime.sharded import ShardedDecoder
 
-    with ShardedDecoder(checkpoint, world, mode) as decoder:
+    engine = (Path(checkpoint) / MANIFEST).is_file()  # a track-sharded engine dir, else a torch checkpoint
+    with ShardedDecoder(checkpoint, world) if engine else torch_decoder(checkpoint, world, mode) as decoder:
         steps = [decoder.prefill(prompt)] + [decoder.decode(t) for t in tokens]
     return steps
 
@@ -134,19 +138,19 @@ def test_sharded_random_model_matches_with_two_workers(tmp_path):
 
 
 def test_sharding_that_does_not_divide_is_a_clear_error(tmp_path):
-    from trtserve.runtime.sharded import ShardedDecoder
+    from trtserve.research.torch_shards import torch_decoder
 
     save_checkpoint(model(), tmp_path / "pt", tmp_path)
     with pytest.raises(TrtServeError, match="4 tracks cannot be split over 3 workers"):
-        ShardedDecoder(tmp_path / "pt", 3, "pt")
+        torch_decoder(tmp_path / "pt", 3, "pt")
     with pytest.raises(TrtServeError, match="tensor parallelism here splits a dense model"):
-        ShardedDecoder(tmp_path / "pt", 2, "tp")
+        torch_decoder(tmp_path / "pt", 2, "tp")
 
 
 @pytest.fixture(scope="module")
 def trained():
     """The `tiny` recipe's PT and dense checkpoints, trained on Wikipedia once and cached."""
-    from trtserve.models.pt_train import checkpoint
+    from trtserve.research.pt_train import checkpoint
 
     return {"pt": checkpoint("tiny", "pt"), "tp": checkpoint("tiny", "dense")}
 
@@ -157,8 +161,8 @@ def trained():
 def test_sharded_trained_model_equals_reference_for_prefill_and_32_steps(trained, mode, world):
     from tokenizers import Tokenizer
 
-    from trtserve.eval.data import wiki_paragraphs
-    from trtserve.models.pt_train import to_compact
+    from trtserve.data.corpus import wiki_paragraphs
+    from trtserve.research.pt_train import to_compact
 
     path = trained[mode]
     m = load_checkpoint(path)
@@ -176,7 +180,7 @@ def test_sharded_trained_model_equals_reference_for_prefill_and_32_steps(trained
 
 @pytest.mark.models
 def test_trained_models_learned_wikipedia(trained):
-    from trtserve.models.pt_train import results
+    from trtserve.research.pt_train import results
 
     for path in trained.values():
         r = results(path)
@@ -201,7 +205,7 @@ def track_engine(trained, tmp_path_factory):
 @pytest.mark.models
 @pytest.mark.parametrize("world", [2, 4])
 def test_track_engines_sharded_equal_reference(trained, track_engine, world):
-    from trtserve.engine_builder.artifact import open_engine_dir
+    from trtserve.engine_dir import open_engine_dir
 
     manifest = open_engine_dir(track_engine).manifest
     assert manifest["parity"]["max_abs_error"] <= 1e-4
@@ -231,7 +235,7 @@ def test_server_serves_a_track_sharded_engine_over_two_workers(trained, track_en
     from tokenizers import Tokenizer
 
     from tests.server_process import start_server, stop_server
-    from trtserve.models.pt_train import to_compact
+    from trtserve.research.pt_train import to_compact
 
     proc, url = start_server(track_engine, "--tracks", "2")
     try:
@@ -293,7 +297,7 @@ def test_a_stuck_or_dead_rank_ends_the_stream_within_the_deadline_and_the_ranks_
     import httpx
 
     from tests.server_process import start_server, stop_server
-    from trtserve.engine_builder.artifact import open_engine_dir
+    from trtserve.engine_dir import open_engine_dir
 
     context = open_engine_dir(track_engine).manifest["model"]["architecture"]["max_positions"]
     proc, url = start_server(track_engine, "--tracks", "2", "--worker-timeout", "3")

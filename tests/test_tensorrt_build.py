@@ -67,7 +67,7 @@ def test_rebuild_gives_the_same_plan_but_for_a_few_bytes(hybrid_engines, tmp_pat
 
 
 def test_build_engine_backend_tensorrt_end_to_end(tmp_path):
-    from trtserve.engine_builder.artifact import open_engine_dir
+    from trtserve.engine_dir import open_engine_dir
     from trtserve.runtime import load_backend, runtime_for
 
     out = tmp_path / "minilm-trt"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from trtserve.errors import TrtServeError
 
-
 PRECISIONS = ["fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4"]
 BACKENDS = ["auto", "onnxruntime", "tensorrt"]
 
@@ -133,8 +132,8 @@ def _trt_options(args: argparse.Namespace):
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from trtserve.engine_builder.artifact import open_engine_dir
     from trtserve.engine_builder.info import describe_manifest
+    from trtserve.engine_dir import open_engine_dir
 
     engine = open_engine_dir(args.engine_dir, verify=not args.no_verify)
     print(json.dumps(engine.manifest, indent=2) if args.json else describe_manifest(engine))
@@ -142,8 +141,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_fidelity(args: argparse.Namespace) -> int:
-    from trtserve.engine_builder.artifact import open_engine_dir
-    from trtserve.precision.run import remeasure, summary
+    from trtserve.engine_builder.build import remeasure
+    from trtserve.engine_dir import open_engine_dir
+    from trtserve.precision.run import summary
 
     if args.text is not None and not args.text.is_file():
         raise TrtServeError(f"--text {args.text} is not a readable file: give a UTF-8 text file")
@@ -212,7 +212,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _default_text(kind: str) -> str:
-    from trtserve.eval.data import wiki_paragraphs
+    from trtserve.data.corpus import wiki_paragraphs
 
     first = wiki_paragraphs()[0]
     return " ".join(first.split()[:40]) if kind == "decoder" else first
@@ -351,7 +351,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     engine = engine_for(args.model, args.precision, args.backend)
     if args.tracks is not None:  # here, so a wrong --tracks is one clear error before the server starts
-        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.engine_dir import open_engine_dir
         from trtserve.server.tracks import check_tracks_option
 
         check_tracks_option(engine, open_engine_dir(engine, verify=False).manifest, args.tracks)
@@ -360,7 +360,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_pt(args: argparse.Namespace) -> int:
-    from trtserve.models.pt_train import RECIPES, checkpoint, results
+    from trtserve.research.pt_train import RECIPES, checkpoint, results
 
     recipe = RECIPES[args.recipe]
     print(f"recipe {recipe.name}: {recipe.layers} layers, hidden {recipe.hidden}, {recipe.heads} heads, "

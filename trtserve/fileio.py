@@ -1,4 +1,4 @@
-"""Hashing and atomic directory writes shared by model caches and engine dirs."""
+"""Hashing, the cache root and atomic directory writes shared by model caches and engine dirs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trtserve.errors import TrtServeError
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints, exports, sensitivity tables and timing caches are kept ($TRTSERVE_CACHE)."""
+    return Path(os.environ.get("TRTSERVE_CACHE", Path.home() / ".cache" / "trtserve"))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -49,14 +49,14 @@ def _slug(text: str) -> str:
 
 
 def engines_root() -> Path:
-    from trtserve.models.sources import cache_root
+    from trtserve.fileio import cache_root
 
     return cache_root() / "engines"
 
 
 def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root: Path | None = None) -> Path:
     """MODEL if it is an engine dir; else this machine's engine for MODEL under ROOT, built on first use."""
-    from trtserve.engine_builder.artifact import MANIFEST, open_engine_dir
+    from trtserve.engine_dir import MANIFEST, open_engine_dir
 
     if (Path(model) / MANIFEST).is_file():
         open_engine_dir(model)  # a damaged engine is one clear error here, not a failed server start

@@ -32,7 +32,7 @@ def model_kind(model: str) -> str:
     """'encoder' or 'decoder', read without building anything."""
     from pathlib import Path
 
-    from trtserve.engine_builder.artifact import MANIFEST, open_engine_dir
+    from trtserve.engine_dir import MANIFEST, open_engine_dir
     from trtserve.models.family import detect, read_config
     from trtserve.models.sources import resolve
 

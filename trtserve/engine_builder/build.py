@@ -9,12 +9,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trtserve import __version__
-from trtserve.engine_builder import artifact
+from trtserve import __version__, engine_dir
 from trtserve.engine_builder.tensorrt import TrtOptions
 from trtserve.errors import TrtServeError
-from trtserve.fileio import atomic_dir, check_writable_target, sha256_file
-from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, cache_root, resolve
+from trtserve.fileio import atomic_dir, cache_root, check_writable_target, sha256_file
+from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, resolve
 from trtserve.precision.measure import Target
 from trtserve.precision.policy import POLICIES, get_policy
 from trtserve.progress import say, step
@@ -39,7 +38,7 @@ class BuildConfig:
     trt: TrtOptions = field(default_factory=TrtOptions)  # used when the backend is tensorrt
 
 
-def build_engine(cfg: BuildConfig) -> artifact.EngineDir:
+def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
     if cfg.precision not in POLICIES:
         raise TrtServeError(f"--precision {cfg.precision} is not available; choose one of {', '.join(POLICIES)}")
     if cfg.calibration is not None and not Path(cfg.calibration).is_file():
@@ -69,11 +68,8 @@ def build_engine(cfg: BuildConfig) -> artifact.EngineDir:
     with atomic_dir(cfg.out) as tmp:
         manifest = _build_into(tmp, cfg, source, max_seq, backend, why)
         manifest["build_seconds"] = round(time.time() - started, 1)
-        manifest["files"] = {
-            p.name: artifact.file_entry(p) for p in sorted(tmp.iterdir()) if p.name != artifact.MANIFEST
-        }
-        artifact.write_manifest(tmp, manifest)
-    return artifact.open_engine_dir(cfg.out, verify=False)
+        engine_dir.seal(tmp, manifest)
+    return engine_dir.open_engine_dir(cfg.out, verify=False)
 
 
 def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
@@ -114,7 +110,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     policy = get_policy(cfg.precision)
     target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32"
                                      else Target.for_weights(policy.weights, source.info.kind))
-    harness = Harness(artifact.EngineDir(tmp, manifest), source, target, cfg.calibration)
+    harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
     search_record = None
     if policy.name == "auto":
         import onnx
@@ -188,7 +184,7 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
             "backend": backend_entry,
         })
         if plan is not plans[-1]:  # a quick screen first: prefill only, lengths up to the search's limit
-            harness.engine = artifact.EngineDir(tmp, manifest)
+            harness.engine = engine_dir.EngineDir(tmp, manifest)
             short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH]
             with step(f"screening int8 activations in {plan.label}"):
                 screen = harness.run(decode=False, lengths=short)
@@ -196,7 +192,7 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
                 tried.append({"plan": plan.label, "fidelity": screen_summary(screen, short, harness.corpus.name)})
                 say(f"int8 activations in {plan.label} miss the target: {tried[-1]['fidelity']}")
                 continue
-        report = measure_engine(artifact.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
+        report = measure_engine(engine_dir.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
         if report["passed"] or plan is plans[-1]:
             return report
         tried.append({"plan": plan.label, "fidelity": summary(report)})
@@ -275,6 +271,15 @@ def _apply_blocked(fp32_graph: Path, out: Path, policy, source: ModelSource, kee
     else:
         say(f"precision: {policy.name}: {formats}, {len(report['fp32'])} weights fp32")
     return report
+
+
+def remeasure(engine: engine_dir.EngineDir, calibration=None) -> dict:
+    """`trtserve fidelity`: measure an existing engine again against its fp32 export, on any text."""
+    from trtserve.precision.run import measure_engine
+
+    source = resolve(engine.manifest["model"]["source"])
+    target = Target(**engine.manifest["fidelity"]["target"])
+    return measure_engine(engine, source, fp32_export(source), target, calibration)
 
 
 def fp32_export(source: ModelSource) -> Path:

@@ -9,9 +9,9 @@ from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
     decoder_graph,
-    encoder_graph,
     decoder_input_names,
     decoder_output_names,
+    encoder_graph,
     encoder_input_names,
 )
 

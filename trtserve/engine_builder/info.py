@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trtserve.engine_builder.artifact import EngineDir
+from trtserve.engine_dir import EngineDir
 
 
 def _mb(size: int) -> str:

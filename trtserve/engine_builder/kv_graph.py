@@ -366,7 +366,7 @@ def _same_lowerings(main: Path, kv: Path) -> None:
 def check_kv(tmp: Path, manifest: dict) -> dict:
     """Random prompts through the slots (batched, right-padded, one prompt in two chunks beside idle rows, then
     decode steps) against each prompt alone through the optimized graph, on the same tokens."""
-    from trtserve.engine_builder.artifact import EngineDir
+    from trtserve.engine_dir import EngineDir
     from trtserve.runtime import generate
     from trtserve.runtime.kv_slots import KVSlots
     from trtserve.runtime.ort import OrtBackend

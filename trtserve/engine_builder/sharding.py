@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trtserve.engine_builder import artifact
+from trtserve import engine_dir
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, check_writable_target
 from trtserve.models.parallel_track import TOKENIZER_FILES
@@ -114,7 +114,7 @@ def _export_all(model, tmp: Path) -> dict:
     return graphs
 
 
-def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") -> artifact.EngineDir:
+def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") -> engine_dir.EngineDir:
     """Export, apply the precision policy to, and optimize every graph of a PT checkpoint."""
     import onnx
 
@@ -165,11 +165,9 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") ->
         }
         manifest["parity"] = _parity(model, tmp, manifest)
         manifest["build_seconds"] = round(time.time() - started, 1)
-        manifest["files"] = {p.name: artifact.file_entry(p) for p in sorted(tmp.iterdir())
-                             if p.is_file() and p.name != artifact.MANIFEST}
-        artifact.write_manifest(tmp, manifest)
+        engine_dir.seal(tmp, manifest)
     say(f"track engines: {cfg.n_tracks} tracks x {cfg.segments} segments -> {out}")
-    return artifact.open_engine_dir(out, verify=False)
+    return engine_dir.open_engine_dir(out, verify=False)
 
 
 def _parity(model, directory: Path, manifest: dict) -> dict:

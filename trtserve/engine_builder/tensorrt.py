@@ -273,7 +273,7 @@ class _TimingCache:
     """A persistent timing cache for full TensorRT (TensorRT-RTX keeps the calls as no-ops)."""
 
     def __init__(self, trt, flavour: str, config, options: TrtOptions):
-        from trtserve.models.sources import cache_root
+        from trtserve.fileio import cache_root
 
         self.config, self.used = config, flavour == "tensorrt"
         self.path = options.timing_cache or cache_root() / "tensorrt" / f"timing-{flavour}-{trt.__version__}.cache"

@@ -160,7 +160,7 @@ class _Session:
 
     def downstream(self) -> None:
         """Sentiment accuracy on held-out real sentences under each backend and policy of the grid's encoders."""
-        from trtserve.eval.sentiment import downstream
+        from trtserve.data.sentiment import downstream
         from trtserve.runtime.text import TextEngine
 
         done = set()
@@ -180,10 +180,10 @@ class _Session:
             say("eval: held-out accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in result["accuracy"].items()))
 
     def _engine(self, model: str, precision: str):
-        from trtserve.engine_builder.artifact import open_engine_dir
         from trtserve.engine_builder.build import BuildConfig, build_engine
+        from trtserve.engine_dir import open_engine_dir
         from trtserve.errors import EngineDirError
-        from trtserve.models.sources import cache_root
+        from trtserve.fileio import cache_root
 
         key = (model, precision)
         if key not in self.engines:
@@ -234,7 +234,7 @@ class _Session:
         from trtserve.runtime.ort import OrtBackend
 
         engine = self._engine(config.model, config.precision)
-        from trtserve.models.sources import cache_root
+        from trtserve.fileio import cache_root
 
         graph = cache_root() / "eval" / "emulation" / f"{engine.manifest['onnx']['sha256'][:16]}.onnx"
         if not graph.is_file():
@@ -267,7 +267,7 @@ class _Session:
 
 def _real_ids(engine, batch: int, sequence: int) -> np.ndarray:
     """Rows of `sequence` consecutive tokens of Wikipedia text, a different passage per row."""
-    from trtserve.eval.data import wiki_text
+    from trtserve.data.corpus import wiki_text
     from trtserve.runtime.text import load_tokenizer
 
     tokenizer = load_tokenizer(engine.path)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from trtserve.errors import ModelSourceError
-from trtserve.fileio import sha256_files
+from trtserve.fileio import cache_root, sha256_files
 from trtserve.models.family import ModelInfo, detect, read_config
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
@@ -54,10 +53,6 @@ class ModelSource:
 
     def source_hash(self) -> str:
         return sha256_files(self.files(), self.path)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TRTSERVE_CACHE", Path.home() / ".cache" / "trtserve"))
 
 
 def package_dir(bundled: Bundled) -> Path:

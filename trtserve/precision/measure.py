@@ -74,7 +74,7 @@ class Corpus:
 
     @classmethod
     def wikipedia(cls) -> "Corpus":
-        from trtserve.eval.data import wiki_paragraphs
+        from trtserve.data.corpus import wiki_paragraphs
 
         return cls(list(wiki_paragraphs()), "Wikipedia (gensim enwiki sample)")
 
@@ -139,7 +139,7 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
     head trained on the reference's embeddings change."""
     import torch
 
-    from trtserve.eval.sentiment import POLARITY_FILE, polarity, predict, split, train_head
+    from trtserve.data.sentiment import POLARITY_FILE, polarity, predict, split, train_head
 
     texts, labels = polarity()
     names = {spec.name for spec in backend.inputs}

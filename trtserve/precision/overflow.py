@@ -10,7 +10,6 @@ import numpy as np
 from trtserve.precision.passes import FP16_MAX, plan_policy
 from trtserve.precision.policy import Policy
 
-
 SENTINEL = 1e37  # |values| beyond this are mask sentinels (the fp32 minimum), not activations
 
 

@@ -47,9 +47,7 @@ def real_vs_random(source, model, policy: Policy, tokenizer, corpus, length: int
                    seed: int = 0) -> dict:
     import onnxruntime as ort
 
-    from trtserve.precision.passes import emulation_model
-
-    from trtserve.precision.passes import plan_policy
+    from trtserve.precision.passes import emulation_model, plan_policy
 
     rng = np.random.default_rng(seed)
     _, _, decisions, _, _ = plan_policy(model, policy)

@@ -129,15 +129,3 @@ def summary(fidelity: dict) -> str:
 def screen_summary(report: dict, lengths: list[int], text: str) -> str:
     """summary() of one Harness.run report (a screen: no emulation, prefill only)."""
     return summary({"onnxruntime": report, "passed": report["passed"], "lengths": lengths, "text": text}) + ", prefill only"
-
-
-def remeasure(engine, calibration=None) -> dict:
-    """`trtserve fidelity`: measure an existing engine again, on any text."""
-    from trtserve.engine_builder.build import fp32_export
-    from trtserve.models.sources import resolve
-    from trtserve.precision.measure import Target
-
-    source = resolve(engine.manifest["model"]["source"])
-    fp32_graph = fp32_export(source)
-    target = Target(**engine.manifest["fidelity"]["target"])
-    return measure_engine(engine, source, fp32_graph, target, calibration)

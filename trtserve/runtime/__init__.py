@@ -23,7 +23,7 @@ def runtime_for(engine) -> tuple[str, str]:
 
 def load_backend(engine_dir, backend: str = "onnxruntime", **options):
     """Open and verify `engine_dir`, then load it with the named backend (`auto`: see runtime_for)."""
-    from trtserve.engine_builder.artifact import open_engine_dir
+    from trtserve.engine_dir import open_engine_dir
     from trtserve.errors import TrtServeError
 
     engine = open_engine_dir(engine_dir)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from trtserve.engine_builder.artifact import EngineDir
+from trtserve.engine_dir import EngineDir
 from trtserve.runtime.base import available_cores, check_feeds, io_specs
 from trtserve.runtime.kv_slots import kv_graph_of
 

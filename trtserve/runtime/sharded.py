@@ -1,18 +1,15 @@
 """Sharded decoding across worker processes joined by torch.distributed (gloo on CPUs, NCCL on GPUs).
 
-Two layouts of the same kind of checkpoint (models/parallel_track.py):
-- `pt`: a parallel-track model; each worker owns n/w of its tracks and their KV cache, runs a
-  segment of D layers without talking to anyone, then all-reduces its tracks' summed update:
-  L/D all-reduces per forward.
-- `tp`: the dense model (n = 1) split Megatron-style; each worker owns 1/w of every layer's heads
-  (column-parallel QKV, row-parallel output) and FFN (column-parallel gate/up, row-parallel down)
-  and their KV cache; an all-reduce after attention and one after the FFN: 2L per forward.
-A checkpoint runs in torch, worker i on GPU i with NCCL where there are GPUs (not run on a GPU
-yet), else on the CPU with gloo; a track-sharded engine dir (engine_builder/sharding.py) runs its
-per-track segment engines in ONNX Runtime on the CPU, with gloo. Embedding, final norm and LM head
-are replicated; worker 0 returns the logits of the last position.
-The caller talks to the workers over pipes (the inputs, like any serving driver); only the
-all-reduces between workers are counted as synchronisations.
+A track-sharded engine dir (engine_builder/sharding.py, built from a parallel-track checkpoint,
+models/parallel_track.py) runs here: each worker owns n/w of its tracks and their KV cache, runs
+its per-track segment engines in ONNX Runtime for D layers without talking to anyone, then
+all-reduces its tracks' summed update: L/D all-reduces per forward. Embedding, final norm and LM
+head are replicated; worker 0 returns the logits of the last position.
+
+What a worker holds is a *shard spec* (`EngineShards` here; research/torch_shards.py has the torch
+layouts a benchmark compares against), so the driver below is the same for all of them. The caller
+talks to the workers over pipes (the inputs, like any serving driver); only the all-reduces between
+workers are counted as synchronisations.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from trtserve.errors import TrtServeError
 
@@ -39,96 +37,38 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def shard_params(model, mode: str, rank: int, world: int) -> list[dict]:
-    """Per layer, this worker's stacked weights: its tracks (pt) or its slice of the dense layer (tp)."""
-    cfg = model.cfg
-    if mode == "pt":
-        per = cfg.n_tracks // world
-        return [layer.params(slice(rank * per, (rank + 1) * per)) for layer in model.layers]
-    hd = cfg.head_dim
-    heads, kv, width = cfg.num_heads // world, cfg.num_kv_heads // world, cfg.intermediate_size // world
-    q, k, f = slice(rank * heads * hd, (rank + 1) * heads * hd), slice(rank * kv * hd, (rank + 1) * kv * hd), \
-        slice(rank * width, (rank + 1) * width)
-    out = []
-    for layer in model.layers:
-        p = layer.params()
-        out.append({"attn_norm": p["attn_norm"], "ffn_norm": p["ffn_norm"],
-                    "q_proj": p["q_proj"][:, q], "k_proj": p["k_proj"][:, k], "v_proj": p["v_proj"][:, k],
-                    "o_proj": p["o_proj"][:, :, q], "gate_proj": p["gate_proj"][:, f],
-                    "up_proj": p["up_proj"][:, f], "down_proj": p["down_proj"][:, :, f]})
-    return out
-
-
 def check_track_split(tracks: int, world: int) -> None:
     if tracks % world:
         raise TrtServeError(f"{tracks} tracks cannot be split over {world} workers: use a divisor of {tracks}")
 
 
-def check_layout(cfg, mode: str, world: int) -> None:
-    if mode == "pt":
-        check_track_split(cfg.n_tracks, world)
-    elif mode == "tp":
-        if cfg.n_tracks != 1:
-            raise TrtServeError("tensor parallelism here splits a dense model (n_tracks = 1); this is a "
-                                f"{cfg.n_tracks}-track model: use mode 'pt'")
-        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-            if getattr(cfg, name) % world:
-                raise TrtServeError(f"{name} ({getattr(cfg, name)}) is not divisible by {world} workers")
-    else:
-        raise TrtServeError(f"unknown sharding mode {mode!r}: use 'pt' or 'tp'")
+@dataclass(frozen=True)
+class EngineShards:
+    """Shard spec of a track-sharded engine dir: worker r runs tracks [r n/w, (r+1) n/w) on the CPU."""
+    path: str
+    name = "pt"
 
+    def check(self, world: int) -> None:
+        from trtserve.engine_dir import open_engine_dir
 
-class _Shard:
-    """One worker's part of the model and its KV cache."""
+        manifest = open_engine_dir(self.path).manifest
+        if "parallel_tracks" not in manifest:
+            raise TrtServeError(f"{self.path} is not a track-sharded engine: build one from a parallel-track "
+                                "checkpoint with `trtserve build-engine CHECKPOINT --out DIR`")
+        check_track_split(manifest["parallel_tracks"]["tracks"], world)
 
-    def __init__(self, path: str, mode: str, rank: int, world: int, device: str = "cpu"):
-        from trtserve.models.pt_model import load_checkpoint
+    def device(self, rank: int) -> str:
+        return "cpu"
 
-        self.model = load_checkpoint(path).to(device)  # embedding and head replicated; layers sliced below
-        self.cfg, self.mode, self.world, self.device = self.model.cfg, mode, world, device
-        self.params = shard_params(self.model, mode, rank, world)
-        self.past: dict | None = None
-        self.syncs = 0
-
-    def _all_reduce(self, tensor):
-        import torch.distributed as dist
-
-        if self.world > 1:
-            dist.all_reduce(tensor)
-        self.syncs += 1
-        return tensor
-
-    def forward(self, ids, new: bool):
-        import torch
-
-        from trtserve.models.pt_model import _rms, attention, feed_forward, run_segment
-
-        cfg, past = self.cfg, None if new else self.past
-        h = self.model.embed(torch.as_tensor(ids, device=self.device))
-        presents = {}
-        if self.mode == "pt":
-            for segment in range(cfg.segments):
-                updates, new_presents = run_segment(self.params, lambda p: p, h, cfg, cfg.n_tracks // self.world,
-                                                    segment, past)
-                presents.update(new_presents)
-                h = h + self._all_reduce(updates.sum(0).contiguous())
-        else:
-            heads, kv = cfg.num_heads // self.world, cfg.num_kv_heads // self.world
-            for layer, p in enumerate(self.params):
-                a, presents[layer] = attention(p, _rms(h, p["attn_norm"][0], cfg.rms_norm_eps)[None], heads, kv,
-                                               cfg.head_dim, cfg.rope_theta, None if past is None else past[layer])
-                h = h + self._all_reduce(a[0].contiguous())
-                h = h + self._all_reduce(feed_forward(p, _rms(h, p["ffn_norm"][0], cfg.rms_norm_eps)[None])[0]
-                                         .contiguous())
-        self.past = presents
-        return self.model.head(h[:, -1]).cpu().numpy()
+    def load(self, rank: int, world: int, device: str, threads: int) -> _EngineShard:
+        return _EngineShard(self.path, rank, world, threads)
 
 
 class _EngineShard:
     """One worker's tracks of a track-sharded engine dir, run by ONNX Runtime."""
 
     def __init__(self, path: str, rank: int, world: int, threads: int):
-        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.engine_dir import open_engine_dir
         from trtserve.runtime.track_engines import TrackEngines
 
         engine = open_engine_dir(path)
@@ -155,30 +95,20 @@ class _EngineShard:
         return self.engines.forward(ids, self._all_reduce, new=new)
 
 
-def _is_engine_dir(path: str) -> bool:
-    from pathlib import Path
-
-    from trtserve.engine_builder.artifact import MANIFEST
-
-    return (Path(path) / MANIFEST).is_file()
-
-
-def _worker(conn, path: str, mode: str, rank: int, world: int, port: int, threads: int) -> None:
+def _worker(conn, spec, rank: int, world: int, port: int, threads: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    engines = _is_engine_dir(path)
-    # torch weights go to GPU `rank` where there are GPUs (NCCL); track engines run on the CPU (gloo).
-    device = f"cuda:{rank % torch.cuda.device_count()}" if not engines and torch.cuda.is_available() else "cpu"
+    device = spec.device(rank)
     try:
         if world > 1:
             if device != "cpu":
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                     rank=rank, world_size=world)
-        shard = _EngineShard(path, rank, world, threads) if engines else _Shard(path, mode, rank, world, device)
+        shard = spec.load(rank, world, device, threads)
         conn.send(("ready", os.getpid()))
         with torch.no_grad():
             while True:
@@ -199,33 +129,20 @@ def _worker(conn, path: str, mode: str, rank: int, world: int, port: int, thread
 
 
 class ShardedDecoder:
-    """`world` worker processes holding one checkpoint sharded as `mode` ('pt' or 'tp')."""
+    """`world` worker processes each holding its part of `spec` (EngineShards, or an engine dir's path)."""
 
-    def __init__(self, checkpoint, world: int, mode: str = "pt", threads: int = 1, timeout: float = 300):
-        if _is_engine_dir(str(checkpoint)):
-            from trtserve.engine_builder.artifact import open_engine_dir
-
-            manifest = open_engine_dir(checkpoint).manifest
-            if "parallel_tracks" not in manifest:
-                raise TrtServeError(f"{checkpoint} is not a track-sharded engine: build one from a parallel-track "
-                                    "checkpoint with `trtserve build-engine CHECKPOINT --out DIR`")
-            if mode != "pt":
-                raise TrtServeError("a track-sharded engine runs with mode 'pt'")
-            check_track_split(manifest["parallel_tracks"]["tracks"], world)
-            self.cfg = None
-        else:
-            from trtserve.models.pt_model import load_checkpoint
-
-            self.cfg = load_checkpoint(checkpoint).cfg
-            check_layout(self.cfg, mode, world)
-        self.mode, self.world, self.timeout = mode, world, timeout
+    def __init__(self, spec, world: int, threads: int = 1, timeout: float = 300):
+        if isinstance(spec, (str, Path)):
+            spec = EngineShards(str(spec))
+        spec.check(world)
+        self.spec, self.world, self.timeout = spec, world, timeout
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, str(checkpoint), mode, rank, world, port, threads),
-                               daemon=True, name=f"trtserve-{mode}-{rank}")
+            proc = ctx.Process(target=_worker, args=(child, spec, rank, world, port, threads),
+                               daemon=True, name=f"trtserve-{spec.name}-{rank}")
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from trtserve.engine_builder.artifact import EngineDir
+from trtserve.engine_dir import EngineDir
 from trtserve.errors import EngineDirError
 from trtserve.runtime.base import check_feeds, io_specs
 from trtserve.runtime.trt_plan import buffer_plan, check_loadable, select_profile

@@ -127,8 +127,7 @@ def build_app(cfg: ServerConfig):
 
 def make_service(cfg: ServerConfig, metrics):
     """The embeddings service for an encoder engine, the generation service for a decoder."""
-    from trtserve.engine_builder.artifact import open_engine_dir
-
+    from trtserve.engine_dir import open_engine_dir
     from trtserve.server.tracks import TrackGenerationService, check_tracks_option
 
     manifest = open_engine_dir(cfg.engine_dir, verify=False).manifest

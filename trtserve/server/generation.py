@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 
 from trtserve.runtime.sampling import SamplingParams
+from trtserve.runtime.text import token_ids
 from trtserve.server.chat import ChatRenderer
 from trtserve.server.config import ServerConfig, placement
-from trtserve.runtime.text import token_ids
 from trtserve.server.errors import BadRequest, ModelNotFound, Overloaded, ServingError, Unavailable
 from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from trtserve.server.workers import WorkerPool
@@ -59,7 +59,7 @@ class GenerationService:
     kind = "decoder"
 
     def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.engine_dir import open_engine_dir
         from trtserve.runtime import runtime_for
         from trtserve.runtime.text import load_tokenizer
 

@@ -24,7 +24,7 @@ class EmbeddingService:
     kind = "encoder"  # make_service gives decoder engines to GenerationService
 
     def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.engine_dir import open_engine_dir
         from trtserve.runtime.text import load_tokenizer
 
         self.cfg = cfg

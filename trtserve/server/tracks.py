@@ -62,7 +62,7 @@ class TrackGenerationService(GenerationService):
     closed and started afresh (with backoff), and /health is 503 until they are back."""
 
     def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.engine_builder.artifact import open_engine_dir
+        from trtserve.engine_dir import open_engine_dir
         from trtserve.runtime.text import load_tokenizer
 
         engine = open_engine_dir(cfg.engine_dir)
@@ -92,9 +92,9 @@ class TrackGenerationService(GenerationService):
                  pt["tracks"], self.tracks, pt["sync"]["per_forward"])
 
     def _start_decoder(self):
-        from trtserve.runtime.sharded import ShardedDecoder
+        from trtserve.runtime.sharded import EngineShards, ShardedDecoder
 
-        return ShardedDecoder(self.engine.path, self.tracks, "pt", self.cfg.threads or 1,
+        return ShardedDecoder(EngineShards(str(self.engine.path)), self.tracks, self.cfg.threads or 1,
                               timeout=self.cfg.worker_timeout)
 
     async def start(self) -> None:

@@ -76,7 +76,7 @@ def corpus() -> tuple[list[int], list[int]]:
     """(train, held-out) token streams: Wikipedia paragraphs joined by EOS; the last 10% held out."""
     from tokenizers import Tokenizer
 
-    from trtserve.eval.data import wiki_paragraphs
+    from trtserve.data.corpus import wiki_paragraphs
 
     tok = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
@@ -174,7 +174,7 @@ def train(recipe: Recipe, kind: str, out: Path) -> dict:
 
 def checkpoint(recipe_name: str, kind: str) -> Path:
     """The cached checkpoint of a recipe's model, trained on first use."""
-    from trtserve.models.sources import cache_root
+    from trtserve.fileio import cache_root
 
     recipe = RECIPES[recipe_name]
     out = cache_root() / "models" / "parallel-track" / f"{recipe.name}-{kind}-{recipe.key()}"

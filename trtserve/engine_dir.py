@@ -1,4 +1,7 @@
-"""The engine directory: manifest.json plus model files, verified on load.
+"""The engine directory, the contract between building and serving: manifest.json plus model
+files. The builder writes one (`seal` in a temp dir that `fileio.atomic_dir` puts in place);
+the runtime, the server, eval and deploy open it (`open_engine_dir`). This module imports no
+other package of trtserve but errors and fileio.
 
 Every file the manifest lists carries its size and sha256; loading checks them before any
 backend sees a byte, so a missing, truncated or swapped file is a clear error with the
@@ -42,6 +45,14 @@ def file_entry(path: Path) -> dict:
 def write_manifest(directory: Path, manifest: dict) -> None:
     manifest = dict(manifest, schema_version=SCHEMA_VERSION)
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def seal(directory: Path, manifest: dict) -> EngineDir:
+    """Finish an engine dir being written: list every file in it (size, sha256), then write the manifest."""
+    files = {p.name: file_entry(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = dict(manifest, files=files)
+    write_manifest(directory, manifest)
+    return EngineDir(directory, manifest)
 
 
 def read_manifest(path: Path) -> dict:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trtserve.engine_builder import artifact
+from trtserve import engine_dir
 from trtserve.errors import EngineDirError
 from trtserve.fileio import atomic_dir
 
@@ -13,14 +13,14 @@ def make_engine(path, payload=b"graph bytes"):
     path.mkdir()
     (path / "model.onnx").write_bytes(payload)
     manifest = {"build_command": f"trtserve build-engine M --out {path}",
-                "files": {"model.onnx": artifact.file_entry(path / "model.onnx")}}
-    artifact.write_manifest(path, manifest)
+                "files": {"model.onnx": engine_dir.file_entry(path / "model.onnx")}}
+    engine_dir.write_manifest(path, manifest)
     return path
 
 
 def test_verified_engine_opens(tmp_path):
-    engine = artifact.open_engine_dir(make_engine(tmp_path / "e"))
-    assert engine.manifest["schema_version"] == artifact.SCHEMA_VERSION
+    engine = engine_dir.open_engine_dir(make_engine(tmp_path / "e"))
+    assert engine.manifest["schema_version"] == engine_dir.SCHEMA_VERSION
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_damage_is_a_clear_error_with_the_rebuild_command(tmp_path, damage, mess
     path = make_engine(tmp_path / "e")
     damage(path)
     with pytest.raises(EngineDirError, match=message) as info:
-        artifact.open_engine_dir(path)
+        engine_dir.open_engine_dir(path)
     assert "trtserve build-engine" in str(info.value)
 
 
@@ -47,12 +47,12 @@ def test_schema_mismatch_names_the_versions(tmp_path):
     manifest["schema_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineDirError, match="schema version 99, this trtserve reads 1"):
-        artifact.open_engine_dir(path)
+        engine_dir.open_engine_dir(path)
 
 
 def test_not_a_directory(tmp_path):
     with pytest.raises(EngineDirError, match="is not an engine directory"):
-        artifact.open_engine_dir(tmp_path / "nothing")
+        engine_dir.open_engine_dir(tmp_path / "nothing")
 
 
 def test_failed_write_keeps_the_previous_directory(tmp_path):

@@ -18,7 +18,7 @@ TEST_SHARE = 0.3
 
 def polarity() -> tuple[list[str], np.ndarray]:
     """200 sentences with labels 1 (positive) and 0 (negative)."""
-    from trtserve.eval.data import wiki_path
+    from trtserve.data.corpus import wiki_path
 
     path = wiki_path().parent / POLARITY_FILE  # the same gensim test-data folder
     if not path.is_file():
@@ -57,7 +57,7 @@ def embed_all(text_engine, texts: list[str], chunk: int) -> np.ndarray:
 
 def head_for(engine, reference_embeddings: np.ndarray, labels: np.ndarray) -> dict:
     """The head trained on torch fp32 embeddings of the training split; cached by the engine's source."""
-    from trtserve.models.sources import cache_root
+    from trtserve.fileio import cache_root
 
     path = cache_root() / "heads" / f"sentiment-{engine.manifest['model']['source_sha256'][:16]}.npz"
     if path.is_file():

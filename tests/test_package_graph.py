@@ -1,0 +1,114 @@
+"""The import rules of docs/ARCHITECTURE.md, read from the source (function-level imports included):
+no cycle between packages, the engine directory is the only thing building and serving share, and
+the shared modules import none of the packages above them."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "trtserve"
+SHARED = {"errors", "fileio", "progress", "engine_dir", "data"}  # what every package may import
+ALLOWED = {  # package -> the packages (beyond SHARED) it may import
+    "models": set(),
+    "runtime": {"models"},
+    "precision": {"models", "runtime"},
+    "engine_builder": {"models", "runtime", "precision"},
+    "eval": {"models", "runtime", "precision", "engine_builder"},
+    "server": {"models", "runtime"},
+    "deploy": {"models", "runtime", "engine_builder", "server"},
+    "research": {"models", "runtime", "engine_builder"},
+}
+
+
+def _package(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def _imported(path: Path, tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the module's own package
+                base = list(path.relative_to(ROOT).parts[:-1])[: len(path.relative_to(ROOT).parts) - node.level]
+                names = [".".join(["trtserve", *base, *([node.module] if node.module else [])])]
+            else:
+                names = [node.module or ""]
+                if node.module == "trtserve":  # from trtserve import engine_dir
+                    names = [f"trtserve.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("trtserve."):
+                yield name.split(".")[1], node.lineno
+
+
+def package_graph() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> where ("file:line")."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(ROOT.rglob("*.py")):
+        source = _package(path)
+        for target, line in _imported(path, ast.parse(path.read_text(), str(path))):
+            if target != source and target != "__version__":
+                graph[source][target].append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return graph
+
+
+def _cycle(graph) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node, trail):
+        state[node] = 1
+        for nxt in graph.get(node, {}):
+            if state.get(nxt) == 1:
+                return trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt]
+            if nxt not in state and (found := visit(nxt, trail + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in list(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_the_graph_is_read_from_every_import():
+    graph = package_graph()
+    # function-level imports count: the server opens engines through engine_dir inside functions
+    assert any(where for where in graph["server"].get("engine_dir", [])), dict(graph["server"])
+    assert {"runtime", "engine_builder", "server"} <= set(graph)
+
+
+def test_no_import_cycle_between_packages():
+    graph = package_graph()
+    cycle = _cycle({k: dict(v) for k, v in graph.items()})
+    assert cycle is None, " -> ".join(cycle) + ": " + "; ".join(
+        f"{a} -> {b} at {graph[a][b][0]}" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_each_package_imports_only_what_its_layer_allows():
+    graph = package_graph()
+    wrong = []
+    for source, targets in graph.items():
+        if source in SHARED:
+            allowed = SHARED
+        elif source in ALLOWED:
+            allowed = SHARED | ALLOWED[source]
+        else:  # the entry points (cli, doctor, __main__) may use everything
+            continue
+        wrong += [f"{source} -> {target} at {', '.join(where)}" for target, where in targets.items()
+                  if target not in allowed]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_runtime_and_server_never_import_the_builder():
+    graph = package_graph()
+    for package in ("runtime", "server"):
+        assert not {"engine_builder", "precision", "eval"} & set(graph[package]), dict(graph[package])
+
+
+def test_a_cycle_is_found_and_named():
+    assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
