@@ -139,7 +139,7 @@ def make_service(cfg: ServerConfig, metrics):
         from trtserve.server.generation import GenerationService
 
         return GenerationService(cfg, metrics)
-    from trtserve.server.serving import EmbeddingService
+    from trtserve.server.embeddings import EmbeddingService
 
     return EmbeddingService(cfg, metrics)
 
