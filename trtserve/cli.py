@@ -8,10 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from trtserve.deploy.options import PRECISIONS  # one list for build-engine and serve
 from trtserve.errors import TrtServeError
-
-PRECISIONS = ["fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4"]
-BACKENDS = ["auto", "onnxruntime", "tensorrt"]
 
 
 def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -218,144 +216,46 @@ def _default_text(kind: str) -> str:
     return " ".join(first.split()[:40]) if kind == "decoder" else first
 
 
-_ENV_ERRORS: list[str] = []  # bad TRTSERVE_* values, reported by the command that reads them
-
-
-def _env(name: str, default, cast=str, choices=None):
-    """The default of a serve flag from TRTSERVE_<NAME>. A value that does not parse is recorded
-    (and the default used) so that only `serve` refuses it, with one line naming the variable."""
-    value = os.environ.get(f"TRTSERVE_{name}")
-    if value is None:
-        return default
-    try:
-        parsed = cast(value)
-    except ValueError:
-        kind = {int: "an integer", float: "a number", _flag: "true or false"}.get(cast, "valid")
-        _ENV_ERRORS.append(f"TRTSERVE_{name}={value!r} is not {kind}")
-        return default
-    if choices is not None and parsed not in choices:
-        _ENV_ERRORS.append(f"TRTSERVE_{name}={value!r} is not one of {', '.join(choices)}")
-        return default
-    return parsed
-
-
 def _serve_parser(sub) -> None:
-    _ENV_ERRORS.clear()
+    from trtserve.deploy.options import RayOptions, ServeTarget
+    from trtserve.server.config import ServerConfig
+    from trtserve.settings import add_flags
+
     serve = sub.add_parser("serve", help="serve an engine over HTTP (OpenAI-compatible); every flag is also "
                            "read from a TRTSERVE_* variable, e.g. TRTSERVE_PORT")
-    serve.add_argument("model", nargs="?", default=_env("MODEL", None),
-                       help="engine directory, or a model (built once into the engine cache)")
-    serve.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=_env("PORT", 8000, int))
-    serve.add_argument("--workers", type=int, default=_env("WORKERS", None, int),
-                       help="worker processes, each owning a backend (default: one per GPU, else 1; "
-                       "0 runs the backend inside the server process)")
-    serve.add_argument("--max-batch", type=int, default=_env("MAX_BATCH", 32, int), help="rows per batch")
-    serve.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int),
-                       help="padded tokens per batch, rows x longest row (decoders: per prefill of newcomers; "
-                       "default 16384; at least the engine's max sequence)")
-    serve.add_argument("--max-prefill-tokens", type=int, default=_env("MAX_PREFILL_TOKENS", 256, int),
-                       help="decoders: padded prompt tokens prefilled per step, in chunks between decode steps so "
-                       "newcomers do not stall running streams (default 256; 0: each prefill in one call)")
-    serve.add_argument("--max-num-seqs", type=int, default=_env("MAX_NUM_SEQS", 16, int),
-                       help="decoders: sequences in the running batch (continuous batching; default 16)")
-    serve.add_argument("--max-n", type=int, default=_env("MAX_N", 8, int),
-                       help="decoders: the largest `n` (choices per request) accepted (default 8)")
-    serve.add_argument("--max-wait-ms", type=float, default=_env("MAX_WAIT_MS", 5.0, float),
-                       help="longest wait to fill a batch")
-    serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 256, int),
-                       help="encoders: rows waiting at most; decoders: sequences waiting per worker; beyond it "
-                       "requests get 429, and a request with more inputs (prompts x n) gets 400 (default 256)")
-    serve.add_argument("--max-queue-tokens", type=int, default=_env("MAX_QUEUE_TOKENS", 65536, int),
-                       help="decoders: prompt tokens a worker holds, running and waiting; beyond it 429, and a "
-                       "request with more gets 400 (default 65536)")
-    serve.add_argument("--api-key", default=_env("API_KEY", None), help="require `Authorization: Bearer KEY`")
-    serve.add_argument("--request-timeout", type=float, default=_env("REQUEST_TIMEOUT", 60.0, float),
-                       help="seconds before a request gets 504 (a stream: an error event), default 60")
-    serve.add_argument("--worker-timeout", type=float, default=_env("WORKER_TIMEOUT", 120.0, float),
-                       help="seconds one batch or generation step may take; a worker that misses it (hung, "
-                       "stopped) is killed and restarted and its requests get 503 (default 120)")
-    serve.add_argument("--drain-timeout", type=float, default=_env("DRAIN_TIMEOUT", 30.0, float),
-                       help="on SIGTERM, seconds to finish in-flight requests before exiting")
-    serve.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
-                       help="model name clients use (default: the engine's model id)")
-    serve.add_argument("--precision", default=_env("PRECISION", "fp32", choices=PRECISIONS), choices=PRECISIONS,
-                       help="when MODEL is a checkpoint: the precision policy of the engine built for it (default fp32)")
-    serve.add_argument("--backend", default=_env("BACKEND", "auto", choices=BACKENDS), choices=BACKENDS,
-                       help="when MODEL is a checkpoint: the backend its engine is built for (default auto)")
-    serve.add_argument("--threads", type=int, default=_env("THREADS", None, int),
-                       help="CPU threads per worker (default: the cores divided among the workers)")
-    serve.add_argument("--tracks", type=int, default=_env("TRACKS", None, int),
-                       help="track-sharded engines: worker processes sharing the tracks, all-reducing at segment "
-                       "boundaries (default: one per track)")
+    serve.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=ServeTarget.model_fields["model"].description)
+    add_flags(serve, ServerConfig, skip=("engine_dir",))
+    add_flags(serve, ServeTarget, skip=("model",))
     ray = serve.add_argument_group("Ray Serve (a cluster of replicas instead of local worker processes)")
-    ray.add_argument("--ray", action="store_true", default=_env("RAY", False, _flag),
-                     help="serve as a Ray Serve application, one replica per GPU (or per CPU worker)")
-    ray.add_argument("--ray-address", default=_env("RAY_ADDRESS", None),
-                     help="join this Ray cluster ('auto' or host:port; default: start a local one)")
-    ray.add_argument("--replicas", type=int, default=_env("REPLICAS", None, int),
-                     help="replicas (default: one per GPU of the cluster, else 1; 0: autoscale)")
-    ray.add_argument("--max-replicas", type=int, default=_env("MAX_REPLICAS", None, int),
-                     help="with --replicas 0: the most replicas (default: as many as the cluster fits)")
-    ray.add_argument("--num-gpus-per-replica", type=float, default=_env("NUM_GPUS_PER_REPLICA", None, float),
-                     help="GPUs per replica (default 1 where the cluster has GPUs, else 0)")
-    ray.add_argument("--num-cpus-per-replica", type=float, default=_env("NUM_CPUS_PER_REPLICA", 1.0, float),
-                     help="CPUs per replica, also its backend's threads (default 1)")
+    add_flags(ray, RayOptions)
     serve.set_defaults(func=_cmd_serve)
 
 
-def _flag(value: str) -> bool:
-    word = value.strip().lower()
-    if word not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-        raise ValueError(value)
-    return word in ("1", "true", "yes", "on")
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from trtserve.deploy.options import RayOptions, ServeTarget
     from trtserve.server.config import ServerConfig
+    from trtserve.settings import load
 
-    if _ENV_ERRORS:
-        raise TrtServeError(f"{_ENV_ERRORS[0]}: fix or unset it")
-    if not args.model:
+    target = load(ServeTarget, args)
+    if not target.model:
         raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL)")
-    for name in ("max_batch", "max_batch_tokens", "max_queue", "max_queue_tokens", "port", "max_num_seqs", "max_n"):
-        if getattr(args, name) < 1:
-            raise TrtServeError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("max_prefill_tokens", "workers", "max_wait_ms", "request_timeout", "drain_timeout", "replicas",
-                 "num_gpus_per_replica"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            raise TrtServeError(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("threads", "max_replicas", "num_cpus_per_replica", "tracks", "worker_timeout"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise TrtServeError(f"--{name.replace('_', '-')} must be positive")
-    cfg = ServerConfig(engine_dir=args.model, host=args.host, port=args.port,
-                       workers=args.workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                       max_num_seqs=args.max_num_seqs, max_n=args.max_n, max_prefill_tokens=args.max_prefill_tokens,
-                       max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                       max_queue_tokens=args.max_queue_tokens, api_key=args.api_key,
-                       request_timeout=args.request_timeout, worker_timeout=args.worker_timeout,
-                       drain_timeout=args.drain_timeout,
-                       served_model_name=args.served_model_name, threads=args.threads, tracks=args.tracks)
-    if args.ray:
-        from trtserve.deploy.ray_serve import RayOptions, run
+    cfg = load(ServerConfig, args, engine_dir=target.model)
+    ray = load(RayOptions, args)
+    if ray.ray:
+        from trtserve.deploy.ray_serve import run
 
-        run(args.model, args.precision, args.backend, cfg,
-            RayOptions(replicas=args.replicas, max_replicas=args.max_replicas,
-                       num_gpus_per_replica=args.num_gpus_per_replica,
-                       num_cpus_per_replica=args.num_cpus_per_replica, address=args.ray_address))
+        run(target.model, target.precision, target.backend, cfg, ray)
         return 0
-    from dataclasses import replace
-
     from trtserve.deploy.engines import engine_for
     from trtserve.server.app import serve
 
-    engine = engine_for(args.model, args.precision, args.backend)
-    if args.tracks is not None:  # here, so a wrong --tracks is one clear error before the server starts
+    engine = engine_for(target.model, target.precision, target.backend)
+    if cfg.tracks is not None:  # here, so a wrong --tracks is one clear error before the server starts
         from trtserve.engine_dir import open_engine_dir
         from trtserve.server.tracks import check_tracks_option
 
-        check_tracks_option(engine, open_engine_dir(engine, verify=False).manifest, args.tracks)
-    serve(replace(cfg, engine_dir=str(engine)))
+        check_tracks_option(engine, open_engine_dir(engine, verify=False).manifest, cfg.tracks)
+    serve(cfg.model_copy(update={"engine_dir": str(engine)}))
     return 0
 
 
@@ -380,11 +280,13 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    port = _env("PORT", 8000, int)
-    bad = [e for e in _ENV_ERRORS if e.startswith("TRTSERVE_PORT=")]
-    if bad and not args.url:
-        raise TrtServeError(f"{bad[0]}: fix or unset it, or give --url")
-    url = args.url or f"http://127.0.0.1:{port}/health"
+    from trtserve.server.config import ServerConfig
+    from trtserve.settings import load, only
+
+    try:
+        url = args.url or f"http://127.0.0.1:{load(only(ServerConfig, 'port')).port}/health"
+    except TrtServeError as exc:
+        raise TrtServeError(f"{exc}, or give --url") from None
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as response:
             print(f"healthy: {url} answered {response.status}")

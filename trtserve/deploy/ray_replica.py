@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from ray import serve
 
 from trtserve.server.config import ServerConfig
@@ -16,7 +14,7 @@ class TrtServeReplica:
         from trtserve.deploy.engines import engine_for
 
         # On this replica's node: an engine built for this GPU type and TensorRT version, or the CPU engine.
-        self.cfg = dataclasses.replace(cfg, engine_dir=str(engine_for(model, precision, backend)))
+        self.cfg = cfg.model_copy(update={"engine_dir": str(engine_for(model, precision, backend))})
         self._trtserve_app = None
 
     def __serve_build_asgi_app__(self):

@@ -9,23 +9,13 @@ Our queue limits become Ray's: `--max-queue` bounds both the requests in flight 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from dataclasses import dataclass
 
+from trtserve.deploy.options import RayOptions
 from trtserve.errors import TrtServeError
 from trtserve.server.config import ServerConfig
 
 APP_NAME = "trtserve"
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    replicas: int | None = None  # None: one per GPU of the cluster, else 1; 0: autoscale
-    max_replicas: int | None = None  # with autoscaling: the most replicas (default: the GPUs or CPUs there are)
-    num_gpus_per_replica: float | None = None  # None: 1 where the cluster has GPUs, else 0
-    num_cpus_per_replica: float = 1.0
-    address: str | None = None  # None: start a local cluster; "auto" or host:port: join one
 
 
 def model_kind(model: str) -> str:
@@ -75,7 +65,7 @@ def deployment_options(cfg: ServerConfig, kind: str, opts: RayOptions, gpus: flo
 
 def replica_config(cfg: ServerConfig, cpus_per_replica: float) -> ServerConfig:
     """A replica is one worker: the backend runs in the replica's process with its share of the cores."""
-    return dataclasses.replace(cfg, workers=0, threads=max(1, int(cpus_per_replica)))
+    return cfg.model_copy(update={"workers": 0, "threads": max(1, int(cpus_per_replica))})
 
 
 def build_application(model: str, precision: str, backend: str, cfg: ServerConfig, options: dict):
@@ -93,7 +83,7 @@ def run(model: str, precision: str, backend: str, cfg: ServerConfig, opts: RayOp
     except ImportError:
         raise TrtServeError("--ray needs Ray Serve: pip install 'trtserve[ray]'") from None
     kind = model_kind(model)
-    ray.init(address=opts.address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    ray.init(address=opts.ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     resources = ray.cluster_resources()
     options = deployment_options(cfg, kind, opts, resources.get("GPU", 0.0), resources.get("CPU", 0.0))
     try:

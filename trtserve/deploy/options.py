@@ -1,0 +1,36 @@
+"""`serve` options beyond the server's own (server/config.py): which engine to serve when given a
+model rather than an engine directory, and the Ray Serve deployment. Defined once as settings
+models (trtserve/settings.py): flags, TRTSERVE_* variables, help and checks come from here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from trtserve.settings import Settings
+
+PRECISIONS = ("fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4")
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
+
+
+class ServeTarget(Settings):
+    model: str | None = Field(None, description="engine directory, or a model (built once into the engine cache)")
+    precision: Literal[PRECISIONS] = Field("fp32", description="when MODEL is a checkpoint: the precision policy "
+                                           "of the engine built for it")
+    backend: Literal[BACKENDS] = Field("auto", description="when MODEL is a checkpoint: the backend its engine is "
+                                       "built for")
+
+
+class RayOptions(Settings):
+    ray: bool = Field(False, description="serve as a Ray Serve application, one replica per GPU (or per CPU "
+                      "worker)")
+    ray_address: str | None = Field(None, description="join this Ray cluster ('auto' or host:port; default: start "
+                                    "a local one)")
+    replicas: int | None = Field(None, ge=0, description="replicas (default: one per GPU of the cluster, else 1; "
+                                 "0: autoscale)")
+    max_replicas: int | None = Field(None, gt=0, description="with --replicas 0: the most replicas (default: as "
+                                     "many as the cluster fits)")
+    num_gpus_per_replica: float | None = Field(None, ge=0, description="GPUs per replica (default 1 where the "
+                                               "cluster has GPUs, else 0)")
+    num_cpus_per_replica: float = Field(1.0, gt=0, description="CPUs per replica, also its backend's threads")
