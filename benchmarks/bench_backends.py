@@ -51,13 +51,13 @@ def real_tokens(tokenizer, rows: int, length: int) -> np.ndarray:
 def bench_minilm(engine_dir: Path, seconds: float) -> list[tuple]:
     import torch
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
     from trtserve.runtime import load_backend
 
     model = load_torch_model(resolve("all-MiniLM-L6-v2"), attention="eager")
     ours = load_backend(engine_dir)
-    tokenizer = load_tokenizer(engine_dir)
+    tokenizer = load_hf_tokenizer(engine_dir)
     rows = []
     for batch in (1, 32):
         ids = real_tokens(tokenizer, batch, 128)
@@ -78,13 +78,13 @@ def bench_smollm2(engine_dir: Path, seconds: float) -> list[tuple]:
     import torch
     from transformers import DynamicCache
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
     from trtserve.runtime import generate, load_backend
 
     model = load_torch_model(resolve("SmolLM2-135M-Instruct"), attention="eager")
     ours = load_backend(engine_dir)
-    ids = real_tokens(load_tokenizer(engine_dir), 1, 129)
+    ids = real_tokens(load_hf_tokenizer(engine_dir), 1, 129)
     prompt, next_id = ids[:, :128], ids[:, 128:]
     mask = np.ones_like(prompt)
     t_prompt, t_mask = torch.from_numpy(prompt), torch.from_numpy(mask)

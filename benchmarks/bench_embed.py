@@ -31,20 +31,20 @@ def session(graph: Path, threads: int):
 
 
 def feeds(engine: Path, batch: int, length: int) -> dict:
-    from trtserve.models.loading import load_tokenizer
+    from trtserve.models.loading import load_hf_tokenizer
     from trtserve.precision.measure import Corpus
 
-    ids = np.array(Corpus.wikipedia().rows(load_tokenizer(engine), batch, length), dtype=np.int64)
+    ids = np.array(Corpus.wikipedia().rows(load_hf_tokenizer(engine), batch, length), dtype=np.int64)
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
 
 
 def sentence_cosines(sessions: dict, engine: Path) -> dict:
     """(mean, worst) cosine of each session's sentence embeddings to the first session's."""
     from trtserve.data.sentiment import polarity
-    from trtserve.models.loading import load_tokenizer
+    from trtserve.models.loading import load_hf_tokenizer
 
     texts, _ = polarity()
-    tokenizer = load_tokenizer(engine)
+    tokenizer = load_hf_tokenizer(engine)
     out = {}
     for name, s in sessions.items():
         names = {i.name for i in s.get_inputs()}

@@ -34,11 +34,11 @@ def hf_generate(tokens: int, runs: int = 3) -> tuple[float, float]:
     """(ms for prefill + first token, decode tokens/s after it), medians, Hugging Face generate."""
     import torch
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
 
     source = resolve(MODEL)
-    model, tokenizer = load_torch_model(source, attention="eager"), load_tokenizer(source.path)
+    model, tokenizer = load_torch_model(source, attention="eager"), load_hf_tokenizer(source.path)
     ids = tokenizer(PROMPT, return_tensors="pt")
 
     def run(n):

@@ -29,10 +29,10 @@ from tests.server_process import start_server, stop_server  # noqa: E402  (same 
 
 
 def prompts(engine: Path, count: int, length: int) -> list[list[int]]:
-    from trtserve.models.loading import load_tokenizer
+    from trtserve.models.loading import load_hf_tokenizer
     from trtserve.precision.measure import Corpus
 
-    return Corpus.wikipedia().rows(load_tokenizer(engine), count, length, special=False)
+    return Corpus.wikipedia().rows(load_hf_tokenizer(engine), count, length, special=False)
 
 
 def one(http: httpx.Client, url: str, model: str, prompt: list[int], tokens: int, stop: float) -> tuple[float, list]:

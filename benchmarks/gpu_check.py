@@ -57,11 +57,11 @@ def fidelity(ref, out) -> dict:
 def run_model(name: str, args, device) -> list[dict]:
     import torch
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
 
     source = resolve(name)
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = load_hf_tokenizer(source.path)
     fp32 = load_torch_model(source, attention="eager").to(device)
     half = load_torch_model(source, attention="eager").to(device).half() if device.type == "cuda" else None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

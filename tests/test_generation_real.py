@@ -138,12 +138,12 @@ def test_chunked_prefill_gives_what_one_prefill_call_gives_and_keeps_streams_mov
 def test_server_greedy_equals_hugging_face_generate(client, smollm2):
     import torch
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
 
     source = resolve(MODEL)
     model = load_torch_model(source, attention="eager")
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = load_hf_tokenizer(source.path)
     for prompt in PROMPTS[:3]:
         ids = tokenizer(prompt, return_tensors="pt")
         with torch.inference_mode():
@@ -291,12 +291,12 @@ def test_prefill_of_the_last_position_equals_that_row_of_every_position(smollm2)
 def test_echo_with_logprobs_scores_the_prompt_as_hugging_face_does(client):
     import torch
 
-    from trtserve.models.loading import load_tokenizer, load_torch_model
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
 
     prompt = "The capital of France is Paris."
     source = resolve(MODEL)
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = load_hf_tokenizer(source.path)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         logits = load_torch_model(source, attention="eager")(input_ids=ids).logits[0]

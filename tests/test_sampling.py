@@ -112,3 +112,33 @@ def test_prompt_logprobs_score_each_token_by_the_position_before_it():
     assert rows[0] == (2, None, None)  # the first token has nothing before it
     assert rows[1][0] == 0 and np.isclose(rows[1][1], np.log(0.5)) and rows[1][2][0][0] == 0
     assert rows[2][0] == 2 and np.isclose(rows[2][1], np.log(0.8)) and rows[2][2] == [(2, rows[2][1])]
+
+
+def test_one_finish_rule_for_every_decode_loop():
+    from trtserve.runtime.sampling import finish_reason
+
+    params = SamplingParams(max_tokens=3)
+    assert finish_reason(2, params, {2}, 1, 10, 100) == "stop"  # end of sequence
+    assert finish_reason(2, SamplingParams(max_tokens=3, ignore_eos=True), {2}, 1, 10, 100) is None
+    assert finish_reason(5, params, {2}, 2, 10, 100) is None
+    assert finish_reason(5, params, {2}, 3, 10, 100) == "length"  # max_tokens reached with this token
+    assert finish_reason(5, params, {2}, 1, 100, 100) == "length"  # the context is full
+
+
+def test_special_tokens_are_read_one_way_from_the_engine_files(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from trtserve.runtime.text import SpecialTokens
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|im_end|>": 3, "hello": 4}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2], "pad_token_id": 4}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": "<|im_end|>"}))
+    special = SpecialTokens.of(tmp_path, tokenizer)
+    assert special == SpecialTokens(frozenset({2, 3}), 4, "<s>", "<|im_end|>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))  # overrides config.json's
+    assert SpecialTokens.of(tmp_path, tokenizer).eos_ids == {1, 3}

@@ -159,7 +159,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     import onnx
 
     from trtserve.engine_builder.build import fp32_export
-    from trtserve.models.loading import load_tokenizer
+    from trtserve.models.loading import load_hf_tokenizer
     from trtserve.models.sources import resolve
     from trtserve.precision.measure import Corpus
     from trtserve.precision.policy import get_policy
@@ -170,7 +170,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     source = resolve(args.model)
     model = onnx.load(str(fp32_export(source)))
     with step(f"probing {source.model_id}: real text vs random ids under {args.policy}"):
-        report = real_vs_random(source, model, get_policy(args.policy), load_tokenizer(source.path),
+        report = real_vs_random(source, model, get_policy(args.policy), load_hf_tokenizer(source.path),
                                 Corpus.wikipedia(), length=args.length, batches=args.batches)
     command = f"trtserve probe {args.model} --policy {args.policy} --length {args.length} --batches {args.batches}"
     text = to_markdown(source.model_id, report, command)

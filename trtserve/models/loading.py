@@ -43,7 +43,8 @@ def load_torch_model(source: ModelSource, attention: str | None = None):
     return model.eval()
 
 
-def load_tokenizer(path):
+def load_hf_tokenizer(path):
+    """The checkpoint's tokenizer through transformers, for the torch reference (serving uses runtime.text.load_tokenizer)."""
     quiet_libraries()
     from transformers import AutoTokenizer
 

@@ -62,6 +62,7 @@ class PTConfig:
     rms_norm_eps: float = 1e-5
     max_positions: int = 1024
     unk_id: int = 0  # compact id of tokens outside the vocabulary
+    eos_token_id: int | None = None  # tokenizer id of the token that ends a sequence (what training separated with)
     extra: dict = field(default_factory=dict)  # training recipe and results, carried into config.json
 
     def __post_init__(self):

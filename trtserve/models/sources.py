@@ -16,7 +16,8 @@ from trtserve.errors import ModelSourceError
 from trtserve.fileio import cache_root, sha256_files
 from trtserve.models.family import ModelInfo, detect, read_config
 
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
+TOKENIZER_SIGNS = (  # a checkpoint has a tokenizer when it holds one of these
+    "tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -110,9 +111,9 @@ def resolve(model: str) -> ModelSource:
 
 
 def _check_tokenizer(path: Path) -> None:
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not any((path / name).is_file() for name in TOKENIZER_SIGNS):
         raise ModelSourceError(
-            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer files "
+            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_SIGNS)}): copy the tokenizer files "
             "of the checkpoint into the directory"
         )
 

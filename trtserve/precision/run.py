@@ -23,7 +23,7 @@ class Harness:
     """Reference model, tokenizer and text loaded once, for several fidelity runs of one engine."""
 
     def __init__(self, engine, source, target, calibration=None):
-        from trtserve.models.loading import load_tokenizer, load_torch_model
+        from trtserve.models.loading import load_hf_tokenizer, load_torch_model
         from trtserve.precision.measure import Corpus, decoder_report, encoder_report
 
         self.engine, self.target = engine, target
@@ -32,7 +32,7 @@ class Harness:
         self.kind = source.info.kind
         self.report_fn = encoder_report if self.kind == "encoder" else decoder_report
         self.reference = load_torch_model(source, attention="eager")
-        self.tokenizer = load_tokenizer(source.path)
+        self.tokenizer = load_hf_tokenizer(source.path)
 
     def run(self, graph=None, decode: bool = True, lengths=None) -> dict:
         """Measure the engine's own graph, or `graph` (an emulation model) in its place."""

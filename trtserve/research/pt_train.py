@@ -21,7 +21,8 @@ import numpy as np
 from trtserve.models.parallel_track import PTConfig, compact_lookup
 from trtserve.progress import say
 
-RECIPE_VERSION = 1  # bump when the training code changes what a recipe produces
+RECIPE_VERSION = 2  # bump when the training code changes what a recipe produces
+SEPARATOR = "<|endoftext|>"  # joins the training paragraphs: the trained model's end of sequence
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def corpus() -> tuple[list[int], list[int]]:
     from trtserve.data.corpus import wiki_paragraphs
 
     tok = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
+    eos = tok.token_to_id(SEPARATOR)
     paragraphs = wiki_paragraphs()
     cut = len(paragraphs) * 9 // 10
 
@@ -167,7 +168,10 @@ def train(recipe: Recipe, kind: str, out: Path) -> dict:
                "heldout_perplexity": round(perplexity(model, held_stream, recipe.seq), 3),
                "heldout_tokens": min(64, (len(held_stream) - 1) // recipe.seq) * recipe.seq,
                "unknown_rate_heldout": round(float((held_stream == 0).float().mean()), 4)}
-    model.cfg = dataclasses.replace(cfg, extra=results)
+    from tokenizers import Tokenizer
+
+    separator = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json")).token_to_id(SEPARATOR)
+    model.cfg = dataclasses.replace(cfg, extra=results, eos_token_id=separator)
     save_checkpoint(model, out, tokenizer_dir())
     return results
 

@@ -16,7 +16,7 @@ import numpy as np
 from trtserve.runtime.base import Backend
 from trtserve.runtime.generate import DecodeState, logit_feed, past_names, positions_from_mask, present_name
 from trtserve.runtime.generate import step as feed_tokens
-from trtserve.runtime.sampling import Sampler, SamplingParams, prompt_logprobs
+from trtserve.runtime.sampling import Sampler, SamplingParams, finish_reason, prompt_logprobs
 
 
 @dataclass
@@ -236,13 +236,13 @@ class ContinuousBatcher:
                 events.append(Event(s.id, -1, error=f"{type(exc).__name__}: {exc}"))
                 done.append(s.id)
                 continue
-            if token in self.eos_ids and not s.params.ignore_eos:
+            finish = finish_reason(token, s.params, self.eos_ids, s.generated + 1, s.total + 1, self.max_seq)
+            if finish == "stop":
                 events.append(Event(s.id, -1, logprob, top, finish="stop"))
                 done.append(s.id)
                 continue
             s.generated += 1
             s.next_token = token
-            finish = "length" if s.generated >= s.params.max_tokens or s.total >= self.max_seq else None
             events.append(Event(s.id, token, logprob, top, finish=finish))
             if finish:
                 done.append(s.id)

@@ -34,6 +34,18 @@ class SamplingParams:
         return asdict(self)
 
 
+def finish_reason(token: int, params: SamplingParams, eos_ids, generated: int, length: int, max_seq: int) -> str | None:
+    """Whether a sequence ends on the token just chosen, for every decode loop: "stop" for an
+    end-of-sequence token (unless `ignore_eos`; the token itself is not emitted), "length" once
+    `max_tokens` are generated or the context is full, else None. `generated` and `length` (prompt
+    plus generated tokens) count the chosen token."""
+    if token in eos_ids and not params.ignore_eos:
+        return "stop"
+    if generated >= params.max_tokens or length >= max_seq:
+        return "length"
+    return None
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Over the last axis (one row of logits, or a (S, V) block)."""
     shifted = logits - np.max(logits, axis=-1, keepdims=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +11,41 @@ import numpy as np
 from trtserve.errors import InputError
 from trtserve.runtime import generate
 from trtserve.runtime.base import Backend
+from trtserve.runtime.sampling import SamplingParams, finish_reason
 
 
 def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """An engine's special tokens, read one way for the batcher, the track server and chat templates:
+    the ids that end a sequence (`eos_token_id` of config.json or generation_config.json, an id or a
+    list, and the id of tokenizer_config.json's `eos_token`), the padding id, and the bos/eos strings
+    that chat templates are given."""
+
+    eos_ids: frozenset[int]
+    pad_id: int
+    bos_token: str
+    eos_token: str
+
+    @classmethod
+    def of(cls, engine_path: Path, tokenizer) -> SpecialTokens:
+        path = Path(engine_path)
+        config = _json(path / "config.json") | _json(path / "generation_config.json")
+        names = _json(path / "tokenizer_config.json")
+        bos, eos = (_content(names.get(key)) for key in ("bos_token", "eos_token"))
+        ids = config.get("eos_token_id")
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if eos and tokenizer.token_to_id(eos) is not None:
+            ids.add(tokenizer.token_to_id(eos))
+        return cls(frozenset(int(i) for i in ids), int(config.get("pad_token_id") or 0), bos, eos)
+
+
+def _content(value) -> str:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    return value.get("content", "") if isinstance(value, dict) else value if isinstance(value, str) else ""
 
 
 def load_tokenizer(engine_path: Path):
@@ -37,10 +69,8 @@ class TextEngine:
         self.backend = backend
         path = backend.engine.path
         self.tokenizer = load_tokenizer(path)
-        config = _json(path / "config.json") | _json(path / "generation_config.json")
-        eos = config.get("eos_token_id")
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.pad_id = int(config.get("pad_token_id") or 0)
+        self.special = SpecialTokens.of(path, self.tokenizer)
+        self.eos_ids, self.pad_id = set(self.special.eos_ids), self.special.pad_id
         self.max_seq = backend.engine.manifest["shapes"]["sequence"]["max"]
         self.input_names = {spec.name for spec in backend.inputs}
 
@@ -83,9 +113,12 @@ class TextEngine:
             )
         ids = np.array(rows, dtype=np.int64)
         tokens, _ = generate.greedy(self.backend, ids, np.ones_like(ids), max_new_tokens)
-        out = []
+        params, out = SamplingParams(max_tokens=max_new_tokens, temperature=0), []
         for token in tokens[0].tolist():
-            if token in self.eos_ids:
+            finish = finish_reason(token, params, self.eos_ids, len(out) + 1, longest + len(out) + 1, self.max_seq)
+            if finish == "stop":
                 break
             out.append(token)
+            if finish:
+                break
         return self.tokenizer.decode(out)

@@ -107,7 +107,7 @@ def build_app(cfg: ServerConfig):
         service = state.get("service")
         if service is None:
             return error_response(Unavailable("the server is starting"))
-        workers = service.pool.status()
+        workers = service.workers()
         if not service.healthy(3 * PROBE_EVERY):
             down = [w["index"] for w in workers if not w["ready"]]
             why = f"worker(s) {down} are restarting" if down else "a worker has not answered a probe recently"

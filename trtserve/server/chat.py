@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trtserve.runtime.text import SpecialTokens
 from trtserve.server.errors import BadRequest
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -22,12 +23,6 @@ def load_chat_template(engine_path: Path) -> str | None:
     return template
 
 
-def _special(engine_path: Path, name: str) -> str:
-    config = Path(engine_path) / "tokenizer_config.json"
-    value = json.loads(config.read_text()).get(name) if config.is_file() else None
-    return value.get("content", "") if isinstance(value, dict) else value or ""
-
-
 class ChatRenderer:
     def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
         from jinja2.exceptions import TemplateError
@@ -42,11 +37,11 @@ class ChatRenderer:
         self.special = {"bos_token": bos_token, "eos_token": eos_token}
 
     @classmethod
-    def for_engine(cls, engine_path: Path) -> "ChatRenderer | None":
+    def for_engine(cls, engine_path: Path, special: SpecialTokens) -> "ChatRenderer | None":
         template = load_chat_template(engine_path)
         if not template:
             return None
-        return cls(template, _special(engine_path, "bos_token"), _special(engine_path, "eos_token"))
+        return cls(template, special.bos_token, special.eos_token)
 
     def render(self, messages: list[dict]) -> str:
         from jinja2.exceptions import TemplateError

@@ -5,43 +5,30 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 
 import numpy as np
 
-from trtserve.server.config import ServerConfig, placement
-from trtserve.server.errors import BadRequest, ModelNotFound, Timeout
-from trtserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, ModelCard, ModelList, Usage
+from trtserve.server.config import ServerConfig
+from trtserve.server.errors import BadRequest, Timeout
+from trtserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 from trtserve.server.scheduler import DynamicBatcher
-from trtserve.server.workers import WorkerPool
+from trtserve.server.service import Service
 
 log = logging.getLogger("trtserve.server")
 
 
-class EmbeddingService:
+class EmbeddingService(Service):
     """Validation and tokenization here; the backend runs in the workers, fed by one batcher."""
 
     kind = "encoder"  # make_service gives decoder engines to GenerationService
 
     def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.engine_dir import open_engine_dir
-        from trtserve.runtime.text import load_tokenizer
-
-        self.cfg = cfg
-        engine = open_engine_dir(cfg.engine_dir, verify=False)  # every worker verifies it
-        self.tokenizer = load_tokenizer(engine.path)
-        manifest = engine.manifest
-        self.model_id = cfg.served_model_name or manifest["model"]["id"]
-        self.dim = manifest["model"]["architecture"]["hidden_size"]
-        self.vocab = manifest["model"]["architecture"]["vocab_size"]
-        self.max_seq = manifest["shapes"]["sequence"]["max"]
-        self.created = int(time.time())
-        from trtserve.runtime import runtime_for
-
-        count, devices, threads, why = placement(cfg.workers, cfg.threads)
-        log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
-        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, deadline=cfg.worker_timeout)
-        engine_max = manifest["shapes"]["batch"]["max"]
+        super().__init__(cfg, metrics)  # every worker verifies the engine's files
+        architecture = self.manifest["model"]["architecture"]
+        self.dim, self.vocab = architecture["hidden_size"], architecture["vocab_size"]
+        self.max_seq = self.manifest["shapes"]["sequence"]["max"]
+        self.pool = self.worker_pool()
+        engine_max = self.manifest["shapes"]["batch"]["max"]
         self.batcher = DynamicBatcher(self.pool.run, min(cfg.max_batch, engine_max), cfg.max_wait_ms, cfg.max_queue,
                                       max_tokens=max(cfg.max_batch_tokens, self.max_seq),
                                       concurrency=len(self.pool.workers), metrics=metrics)
@@ -62,18 +49,16 @@ class EmbeddingService:
     def healthy(self, within: float) -> bool:
         return self.pool.healthy(within)
 
+    def workers(self) -> list[dict]:
+        return self.pool.status()
+
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         from trtserve.runtime.text import token_ids
 
         return token_ids(self.tokenizer, texts)
 
-    def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
-
     def rows(self, request: EmbeddingRequest) -> list[list[int]]:
-        if request.model != self.model_id:
-            raise ModelNotFound(f"The model `{request.model}` does not exist; this server serves `{self.model_id}`",
-                                param="model", code="model_not_found")
+        self.check_model(request.model)
         if request.dimensions is not None and request.dimensions != self.dim:
             raise BadRequest(f"`{self.model_id}` returns {self.dim} dimensions and cannot shorten them; "
                              f"omit `dimensions` or set it to {self.dim}", param="dimensions")

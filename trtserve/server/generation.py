@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from trtserve.runtime.sampling import SamplingParams
 from trtserve.runtime.text import token_ids
 from trtserve.server.chat import ChatRenderer
-from trtserve.server.config import ServerConfig, placement
-from trtserve.server.errors import BadRequest, ModelNotFound, Overloaded, ServingError, Unavailable
-from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from trtserve.server.workers import WorkerPool
+from trtserve.server.config import ServerConfig
+from trtserve.server.errors import BadRequest, Overloaded, ServingError, Unavailable
+from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from trtserve.server.service import Service
 
 log = logging.getLogger("trtserve.server")
 PROBE_TIMEOUT = 30.0
@@ -55,67 +55,30 @@ class Submission:
             self._on_close = None
 
 
-class GenerationService:
+class DecoderService(Service):
+    """Requests to jobs and events to pieces, for every decoder engine; how sequences run (`submit`)
+    is the specialisation's: worker processes with continuous batching (GenerationService), or the
+    ranks of a track-sharded engine (server/tracks.py)."""
+
     kind = "decoder"
 
-    def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.engine_dir import open_engine_dir
-        from trtserve.runtime import runtime_for
-        from trtserve.runtime.text import load_tokenizer
+    max_seq: int  # prompt plus generated tokens a sequence may hold
+    vocab: int  # token ids a prompt may use are [0, vocab)
 
-        self.cfg, self.metrics = cfg, metrics
-        engine = open_engine_dir(cfg.engine_dir, verify=False)  # every worker verifies it
-        manifest = engine.manifest
-        self.tokenizer = load_tokenizer(engine.path)
-        self.model_id = cfg.served_model_name or manifest["model"]["id"]
-        self.max_seq = manifest["shapes"]["total_sequence"]["max"]
-        self.vocab = manifest["model"]["architecture"]["vocab_size"]
-        self.chat = ChatRenderer.for_engine(engine.path)
-        self.created = int(time.time())
-        count, devices, threads, why = placement(cfg.workers, cfg.threads)
-        log.info("workers: %s; backend: %s (%s)", why, *runtime_for(engine))
-        options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq),
-                   "max_prefill_tokens": cfg.max_prefill_tokens or None}
-        self.pool = WorkerPool(str(engine.path), count, devices, threads, metrics, generation=options,
-                               deadline=cfg.worker_timeout)
+    def __init__(self, cfg: ServerConfig, metrics=None, verify: bool = False):
+        super().__init__(cfg, metrics, verify)
+        self.chat = ChatRenderer.for_engine(self.engine.path, self.special)
 
-    async def start(self) -> None:
-        await self.pool.start()
-        if self.metrics is not None:  # read when /metrics is scraped, so never stale
-            self.metrics.running_seqs.set_function(lambda: self._sequences("running"))
-            self.metrics.waiting_seqs.set_function(lambda: self._sequences("waiting"))
-        await self.probe()
-
-    async def stop(self) -> None:
-        await self.pool.stop()
-
-    async def probe(self) -> None:
-        await self.pool.probe(self._probe_on)
-
-    async def _probe_on(self, worker) -> None:
-        if worker.channel is None or worker.channel.closed:
-            raise Unavailable(f"worker {worker.index} is restarting")
-        job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
-        submission = self._open([job], worker)
-        try:
-            async with asyncio.timeout(PROBE_TIMEOUT):
-                async for _ in submission.streams[0]:
-                    pass
-        finally:
-            submission.close()
-
-    def healthy(self, within: float) -> bool:
-        return self.pool.healthy(within)
-
-    def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
+    def submit(self, jobs: list[Job]) -> Submission:
+        """Admit every job of a request, or none (429 / 503 before any byte of the answer)."""
+        raise NotImplementedError
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     # -- requests to jobs -----------------------------------------------------------------------
     async def completion_jobs(self, request: CompletionRequest) -> list[Job]:
-        self._check_model(request.model)
+        self.check_model(request.model)
         prompts = request.prompt
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -138,7 +101,7 @@ class GenerationService:
         return jobs
 
     async def chat_jobs(self, request: ChatCompletionRequest) -> list[Job]:
-        self._check_model(request.model)
+        self.check_model(request.model)
         if self.chat is None:
             raise BadRequest(f"`{self.model_id}` has no chat template in its tokenizer config: use /v1/completions "
                              "with a prompt you format yourself", param="messages")
@@ -189,37 +152,6 @@ class GenerationService:
             jobs.append(Job(ids, params, stop, echo))
         return jobs
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_id:
-            raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_id}`",
-                                param="model", code="model_not_found")
-
-    # -- admission --------------------------------------------------------------------------------
-    def submit(self, jobs: list[Job]) -> Submission:
-        """Admit every job of a request on one worker, or none: 429 when no worker has room for
-        them (--max-num-seqs running + --max-queue waiting sequences, --max-queue-tokens prompt
-        tokens), 503 when no worker is ready. Known before any byte of the answer is sent."""
-        ready = [w for w in self.pool.workers if w.ready and w.channel is not None and not w.channel.closed]
-        if not ready:
-            raise Unavailable(f"no worker is ready ({len(self.pool.workers)} restarting); retry shortly")
-        tokens = sum(len(j.prompt) for j in jobs)
-        room = [w for w in ready if len(w.channel.streams) + len(jobs) <= self.cfg.max_num_seqs + self.cfg.max_queue
-                and w.channel.queued_tokens() + tokens <= self.cfg.max_queue_tokens]
-        if not room:
-            raise Overloaded(f"every worker is full ({self.cfg.max_num_seqs} running and {self.cfg.max_queue} waiting "
-                             f"sequences, {self.cfg.max_queue_tokens} prompt tokens each); retry shortly")
-        return self._open(jobs, min(room, key=lambda w: w.load_now))
-
-    def _open(self, jobs: list[Job], worker) -> Submission:
-        opened = [(job, *ids) for job, ids in zip(jobs, worker.channel.open([(j.prompt, j.params) for j in jobs]))]
-
-        def close():
-            for _, seq_id, _ in opened:
-                worker.channel.close(seq_id)
-
-        streams = [self.pieces(job, queue.get, worker.index) for job, _, queue in opened]
-        return Submission(streams, close)
-
     # -- one sequence ---------------------------------------------------------------------------
     async def pieces(self, job: Job, next_event, where: int):
         """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts)."""
@@ -257,13 +189,83 @@ class GenerationService:
         if len(ids) > 1:
             self._observe("tpot", (last - started) / len(ids))
 
-    def _sequences(self, state: str) -> int:
-        """Sequences in the workers' batches (running) or queues (waiting), as they last reported."""
-        return sum(getattr(w.channel, state) for w in self.pool.workers if w.channel is not None and w.ready)
-
     def _observe(self, name: str, value: float) -> None:
         if self.metrics is not None:
             self.metrics.observe_generation(name, value)
+
+
+class GenerationService(DecoderService):
+    """A decoder engine over worker processes (or the in-process worker), each running the
+    continuous batcher (server/generation_worker.py)."""
+
+    def __init__(self, cfg: ServerConfig, metrics=None):
+        super().__init__(cfg, metrics)  # every worker verifies the engine's files
+        self.max_seq = self.manifest["shapes"]["total_sequence"]["max"]
+        self.vocab = self.manifest["model"]["architecture"]["vocab_size"]
+        options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq),
+                   "max_prefill_tokens": cfg.max_prefill_tokens or None}
+        self.pool = self.worker_pool(generation=options)
+
+    async def start(self) -> None:
+        await self.pool.start()
+        if self.metrics is not None:  # read when /metrics is scraped, so never stale
+            self.metrics.running_seqs.set_function(lambda: self._sequences("running"))
+            self.metrics.waiting_seqs.set_function(lambda: self._sequences("waiting"))
+        await self.probe()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+    async def probe(self) -> None:
+        await self.pool.probe(self._probe_on)
+
+    async def _probe_on(self, worker) -> None:
+        if worker.channel is None or worker.channel.closed:
+            raise Unavailable(f"worker {worker.index} is restarting")
+        job = Job(self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0), [])
+        submission = self._open([job], worker)
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT):
+                async for _ in submission.streams[0]:
+                    pass
+        finally:
+            submission.close()
+
+    def healthy(self, within: float) -> bool:
+        return self.pool.healthy(within)
+
+    def workers(self) -> list[dict]:
+        return self.pool.status()
+
+    # -- admission --------------------------------------------------------------------------------
+    def submit(self, jobs: list[Job]) -> Submission:
+        """Admit every job of a request on one worker, or none: 429 when no worker has room for
+        them (--max-num-seqs running + --max-queue waiting sequences, --max-queue-tokens prompt
+        tokens), 503 when no worker is ready. Known before any byte of the answer is sent."""
+        ready = [w for w in self.pool.workers if w.ready and w.channel is not None and not w.channel.closed]
+        if not ready:
+            raise Unavailable(f"no worker is ready ({len(self.pool.workers)} restarting); retry shortly")
+        tokens = sum(len(j.prompt) for j in jobs)
+        room = [w for w in ready if len(w.channel.streams) + len(jobs) <= self.cfg.max_num_seqs + self.cfg.max_queue
+                and w.channel.queued_tokens() + tokens <= self.cfg.max_queue_tokens]
+        if not room:
+            raise Overloaded(f"every worker is full ({self.cfg.max_num_seqs} running and {self.cfg.max_queue} waiting "
+                             f"sequences, {self.cfg.max_queue_tokens} prompt tokens each); retry shortly")
+        return self._open(jobs, min(room, key=lambda w: w.load_now))
+
+    def _open(self, jobs: list[Job], worker) -> Submission:
+        opened = [(job, *ids) for job, ids in zip(jobs, worker.channel.open([(j.prompt, j.params) for j in jobs]))]
+
+        def close():
+            for _, seq_id, _ in opened:
+                worker.channel.close(seq_id)
+
+        streams = [self.pieces(job, queue.get, worker.index) for job, _, queue in opened]
+        return Submission(streams, close)
+
+    def _sequences(self, state: str) -> int:
+        """Sequences in the workers' batches (running) or queues (waiting), as they last reported."""
+        return sum(getattr(w.channel, state) for w in self.pool.workers if w.channel is not None and w.ready)
 
 
 def _text(content) -> str:

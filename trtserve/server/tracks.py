@@ -2,7 +2,7 @@
 
 The N workers are the sharded decoder's ranks (runtime/sharded.py): each owns its tracks'
 engines and KV cache and all-reduces at segment boundaries. Requests share the completions and
-chat logic of GenerationService; sequences run one at a time (batch 1), each decode step in a
+chat logic of DecoderService (server/generation.py); sequences run one at a time (batch 1), each decode step in a
 thread so the event loop keeps serving; every call into the ranks has a deadline. The model's compact vocabulary is mapped to and from
 the tokenizer's ids here; its unknown-token id is never generated.
 """
@@ -19,12 +19,11 @@ import numpy as np
 
 from trtserve.errors import TrtServeError
 from trtserve.models.parallel_track import compact_lookup
-from trtserve.runtime.sampling import Sampler, SamplingError, SamplingParams
+from trtserve.runtime.sampling import Sampler, SamplingError, SamplingParams, finish_reason
 from trtserve.runtime.sharded import check_track_split
-from trtserve.server.chat import ChatRenderer
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import Overloaded, Unavailable
-from trtserve.server.generation import GenerationService, Job, Submission
+from trtserve.server.generation import DecoderService, Job, Submission
 
 log = logging.getLogger("trtserve.server")
 
@@ -40,47 +39,22 @@ def check_tracks_option(engine_dir, manifest: dict, tracks: int | None) -> None:
     check_track_split(manifest["parallel_tracks"]["tracks"], tracks)
 
 
-class _Ranks:
-    """What /health shows of the sharded decoder's workers."""
-
-    def __init__(self, service: TrackGenerationService):
-        self.service = service
-        self.workers: list = []  # GenerationService's admission looks here; tracks admit on their own
-
-    def status(self) -> list[dict]:
-        decoder = self.service.decoder
-        if decoder is None:
-            return []
-        return [{"index": rank, "pid": pid, "device": None, "ready": proc.is_alive() and not self.service.stuck(),
-                 "outstanding": self.service.pending, "restarts": self.service.restarts}
-                for rank, (pid, proc) in enumerate(zip(decoder.pids, decoder.procs))]
-
-
-class TrackGenerationService(GenerationService):
+class TrackGenerationService(DecoderService):
     """Sequences one at a time (an asyncio lock) behind a bounded wait (--max-queue, 429 beyond);
     every call into the ranks has the --worker-timeout deadline; ranks that fail or miss it are
     closed and started afresh (with backoff), and /health is 503 until they are back."""
 
     def __init__(self, cfg: ServerConfig, metrics=None):
-        from trtserve.engine_dir import open_engine_dir
-        from trtserve.runtime.text import load_tokenizer
-
-        engine = open_engine_dir(cfg.engine_dir)
-        pt = engine.manifest["parallel_tracks"]
+        super().__init__(cfg, metrics, verify=True)  # the ranks open the engine without verifying it
+        pt = self.manifest["parallel_tracks"]
         self.tracks = cfg.tracks or pt["tracks"]
-        self.cfg, self.metrics, self.engine = cfg, metrics, engine
-        self.tokenizer = load_tokenizer(engine.path)
-        self.model_id = cfg.served_model_name or engine.manifest["model"]["id"]
-        self.max_seq = engine.manifest["model"]["architecture"]["max_positions"]
+        self.max_seq = self.manifest["model"]["architecture"]["max_positions"]
         self.vocab = self.tokenizer.get_vocab_size()
-        self.chat = ChatRenderer.for_engine(engine.path)
-        self.created = int(time.time())
-        compact = np.array(json.loads((engine.path / "vocab.json").read_text()), dtype=np.int64)
+        compact = np.array(json.loads((self.engine.path / "vocab.json").read_text()), dtype=np.int64)
         self.to_tokenizer = compact
         self.to_compact = compact_lookup(compact, self.vocab)
-        self.eos = {int(self.to_compact[t]) for t in _eos_ids(engine.path, self.tokenizer) if self.to_compact[t]}
+        self.eos = {int(self.to_compact[t]) for t in self.special.eos_ids if self.to_compact[t]}
         self.decoder = None
-        self.pool = _Ranks(self)
         self.lock = asyncio.Lock()
         self.busy = False
         self.pending = 0  # sequences admitted and not finished (one runs, the rest wait for the lock)
@@ -127,6 +101,14 @@ class TrackGenerationService(GenerationService):
 
     def healthy(self, within: float) -> bool:
         return self.alive() and not self.stuck() and (self.busy or time.monotonic() - self.last_ok < within)
+
+    def workers(self) -> list[dict]:
+        """The sharded decoder's ranks."""
+        if self.decoder is None:
+            return []
+        return [{"index": rank, "pid": pid, "device": None, "ready": proc.is_alive() and not self.stuck(),
+                 "outstanding": self.pending, "restarts": self.restarts}
+                for rank, (pid, proc) in enumerate(zip(self.decoder.pids, self.decoder.procs))]
 
     def submit(self, jobs: list[Job]) -> Submission:
         if not self.alive():
@@ -206,13 +188,13 @@ class TrackGenerationService(GenerationService):
                 logits = step.logits[0].astype(np.float32)
                 logits[0] = -np.inf  # the unknown id is not a token
                 token, logprob, top = sampler.choose(logits)
-                if token in self.eos and not params.ignore_eos:
+                finish = finish_reason(token, params, self.eos, generated, len(job.prompt) + generated, self.max_seq)
+                if finish == "stop":
                     emit(finish="stop", logprob=logprob, top_logprobs=self._map_top(top))
                     break
-                at_limit = generated == params.max_tokens or len(job.prompt) + generated >= self.max_seq
                 emit(token=int(self.to_tokenizer[token]), logprob=logprob, top_logprobs=self._map_top(top),
-                     finish="length" if at_limit else None)
-                if at_limit or cancel.is_set():
+                     finish=finish)
+                if finish or cancel.is_set():
                     break
                 step = decoder.decode(np.array([[token]]))
                 self.progress = time.monotonic()
@@ -226,10 +208,3 @@ class TrackGenerationService(GenerationService):
     def _map_top(self, top):
         return None if top is None else [(int(self.to_tokenizer[t]), lp) for t, lp in top if t]
 
-
-def _eos_ids(path, tokenizer) -> list[int]:
-    config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() \
-        else {}
-    names = [config.get("eos_token"), "<|endoftext|>", "<|im_end|>"]
-    ids = [tokenizer.token_to_id(n) for n in names if isinstance(n, str)]
-    return [i for i in ids if i is not None]
