@@ -21,7 +21,9 @@ PREFIX = "TRTSERVE_"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=PREFIX, frozen=True, extra="ignore", env_ignore_empty=True)
+    # extra="forbid": a misspelled option passed in code is an error; TRTSERVE_* variables that no field
+    # names (TRTSERVE_CACHE, TRTSERVE_DEBUG) are not read by these models at all
+    model_config = SettingsConfigDict(env_prefix=PREFIX, frozen=True, extra="forbid", env_ignore_empty=True)
 
 
 def flag(name: str) -> str:
