@@ -2,9 +2,10 @@
 
 The N workers are the sharded decoder's ranks (runtime/sharded.py): each owns its tracks'
 engines and KV cache and all-reduces at segment boundaries. Requests share the completions and
-chat logic of DecoderService (server/generation.py); sequences run one at a time (batch 1), each decode step in a
-thread so the event loop keeps serving; every call into the ranks has a deadline. The model's compact vocabulary is mapped to and from
-the tokenizer's ids here; its unknown-token id is never generated.
+chat logic of DecoderService (server/generation.py); sequences run one at a time (batch 1), each
+decode step in a thread so the event loop keeps serving; every call into the ranks has a deadline.
+The model's compact vocabulary is mapped to and from the tokenizer's ids here; its unknown-token
+id is never generated.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class TrackGenerationService(DecoderService):
     closed and started afresh (with backoff), and /health is 503 until they are back."""
 
     def __init__(self, cfg: ServerConfig, metrics=None):
-        super().__init__(cfg, metrics, verify=True)  # the ranks open the engine without verifying it
+        super().__init__(cfg, metrics, verify=True)  # a bad engine is refused here, before any rank starts
         pt = self.manifest["parallel_tracks"]
         self.tracks = cfg.tracks or pt["tracks"]
         self.max_seq = self.manifest["model"]["architecture"]["max_positions"]
