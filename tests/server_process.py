@@ -53,8 +53,8 @@ def stop_server(proc):
 
 
 def metric(url: str, name: str) -> float:
-    """The value of one unlabelled sample on the server's /metrics page."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} is not on /metrics")
+    """The value of one sample on the server's /metrics page, summed over its label sets (one per engine)."""
+    values = [float(line.split()[-1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+              if line.startswith((name + " ", name + "{"))]
+    assert values, f"{name} is not on /metrics"
+    return sum(values)

@@ -221,9 +221,11 @@ def _serve_parser(sub) -> None:
     from trtserve.server.config import ServerConfig
     from trtserve.settings import add_flags
 
-    serve = sub.add_parser("serve", help="serve an engine over HTTP (OpenAI-compatible); every flag is also "
-                           "read from a TRTSERVE_* variable, e.g. TRTSERVE_PORT")
-    serve.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=ServeTarget.model_fields["model"].description)
+    serve = sub.add_parser("serve", help="serve engines over HTTP (OpenAI-compatible and KServe v2); every flag is "
+                           "also read from a TRTSERVE_* variable, e.g. TRTSERVE_PORT")
+    serve.add_argument("model", nargs="*", default=argparse.SUPPRESS, metavar="[NAME=]MODEL",
+                       help=ServeTarget.model_fields["model"].description + "; several are served side by side, "
+                       "each under its manifest's model id or the NAME given")
     add_flags(serve, ServerConfig, skip=("engine_dir",))
     add_flags(serve, ServeTarget, skip=("model",))
     ray = serve.add_argument_group("Ray Serve (a cluster of replicas instead of local worker processes)")
@@ -236,26 +238,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from trtserve.server.config import ServerConfig
     from trtserve.settings import load
 
+    models = vars(args).pop("model", None) or []  # positional: a list; TRTSERVE_MODEL: one
     target = load(ServeTarget, args)
-    if not target.model:
-        raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL)")
-    cfg = load(ServerConfig, args, engine_dir=target.model)
+    models = models or ([target.model] if target.model else [])
+    if not models and not target.model_repository:
+        raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL), or "
+                            "--model-repository")
+    cfg = load(ServerConfig, args, engine_dir=models[0] if models else target.model_repository)
     ray = load(RayOptions, args)
     if ray.ray:
+        if len(models) != 1 or target.model_repository:
+            raise TrtServeError("--ray deploys one engine per application: run `trtserve serve --ray` once per "
+                                "engine, each on its own --port")
         from trtserve.deploy.ray_serve import run
 
-        run(target.model, target.precision, target.backend, cfg, ray)
+        run(models[0], target.precision, target.backend, cfg, ray)
         return 0
-    from trtserve.deploy.engines import engine_for
+    from trtserve.deploy.engines import served_engines
     from trtserve.server.app import serve
+    from trtserve.server.registry import plan
 
-    engine = engine_for(target.model, target.precision, target.backend)
-    if cfg.tracks is not None:  # here, so a wrong --tracks is one clear error before the server starts
+    engines = served_engines(models, target.model_repository, target.precision, target.backend)
+    engines = [(name, str(path)) for name, path in engines]
+    configs = plan(cfg, engines)  # a clash of names or a wrong --tracks: one clear error before the server starts
+    if cfg.tracks is not None:
         from trtserve.engine_dir import open_engine_dir
         from trtserve.server.tracks import check_tracks_option
 
-        check_tracks_option(engine, open_engine_dir(engine, verify=False).manifest, cfg.tracks)
-    serve(cfg.model_copy(update={"engine_dir": str(engine)}))
+        for c in configs.values():
+            check_tracks_option(c.engine_dir, open_engine_dir(c.engine_dir, verify=False).manifest, cfg.tracks)
+    serve(cfg.model_copy(update={"engine_dir": engines[0][1]}), engines)
     return 0
 
 

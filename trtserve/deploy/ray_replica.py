@@ -28,6 +28,6 @@ class TrtServeReplica:
         from trtserve.server.app import PROBE_EVERY
 
         app = self._trtserve_app
-        service = app.state.trtserve.get("service") if app is not None else None
-        if service is not None and not service.healthy(3 * PROBE_EVERY):
+        registry = app.state.trtserve.get("registry") if app is not None else None
+        if registry is not None and not registry.healthy(3 * PROBE_EVERY):
             raise RuntimeError("the backend has not answered a probe recently")

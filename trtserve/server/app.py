@@ -1,4 +1,5 @@
-"""FastAPI application: thin routes over EmbeddingService, OpenAI-shaped errors, auth, metrics."""
+"""FastAPI application: thin routes over the engines' services (server/registry.py), OpenAI-shaped errors,
+auth, metrics; the KServe v2 routes are in server/kserve.py."""
 
 from __future__ import annotations
 
@@ -33,30 +34,32 @@ def error_response(exc: ServingError):
     return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
 
 
-def build_app(cfg: ServerConfig):
+def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None):
+    """The server for `engines`, (model name or None, engine dir) each; by default cfg.engine_dir."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import Response
     from starlette.exceptions import HTTPException
 
     from trtserve.server.metrics import Metrics
+    from trtserve.server.registry import Registry, plan
 
     metrics = Metrics()
+    configs = plan(cfg, engines)  # a clash of names is an error here, before anything loads
     state = {}
 
     @asynccontextmanager
     async def lifespan(app):
-        service = make_service(cfg, metrics)
-        await service.start()
-        state["service"] = service
-        prober = asyncio.create_task(_probe_forever(service))
-        log.info("serving %s from %s", service.model_id, cfg.engine_dir)
+        registry = Registry(configs, metrics)
+        await registry.start()
+        state["registry"] = registry
+        prober = asyncio.create_task(_probe_forever(registry))
         yield
         prober.cancel()
-        await service.stop()
+        await registry.stop()
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
-    app.state.trtserve = state  # the running service, for hosts that embed the app (Ray Serve replicas)
+    app.state.trtserve = state  # the running engines, for hosts that embed the app (Ray Serve replicas)
     app.add_middleware(Guard, cfg=cfg, metrics=metrics, routes=lambda: app.routes)
 
     @app.exception_handler(ServingError)
@@ -78,13 +81,13 @@ def build_app(cfg: ServerConfig):
 
     @app.get("/v1/models")
     async def models():
-        return state["service"].models()
+        return state["registry"].models()
 
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest, raw: Request):
         if request.model_extra:
             log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-        service = state["service"]
+        service = state["registry"].get(request.model)
         if service.kind == "decoder":
             raise BadRequest(f"`{service.model_id}` is a decoder engine: it serves /v1/completions and "
                              "/v1/chat/completions; embeddings need an encoder", param="model")
@@ -92,29 +95,32 @@ def build_app(cfg: ServerConfig):
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request):
-        service = _generator(state, request)
+        service = _generator(state["registry"], request)
         jobs = await service.completion_jobs(request)
         return await _answer(raw, service, jobs, request, chat=False, cfg=cfg, metrics=metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
-        service = _generator(state, request)
+        service = _generator(state["registry"], request)
         jobs = await service.chat_jobs(request)
         return await _answer(raw, service, jobs, request, chat=True, cfg=cfg, metrics=metrics)
 
     @app.get("/health")
     async def health(raw: Request):
-        service = state.get("service")
-        if service is None:
+        registry = state.get("registry")
+        if registry is None:
             return error_response(Unavailable("the server is starting"))
-        workers = service.workers()
-        if not service.healthy(3 * PROBE_EVERY):
-            down = [w["index"] for w in workers if not w["ready"]]
-            why = f"worker(s) {down} are restarting" if down else "a worker has not answered a probe recently"
-            return error_response(Unavailable(why))
-        body = {"status": "ok", "model": service.model_id}
-        if key_matches(cfg, raw.headers.get("authorization", "")):  # pids and load are for the operator only
-            body["workers"] = workers
+        down = registry.unhealthy(3 * PROBE_EVERY)
+        if down:
+            named = len(registry) > 1
+            return error_response(Unavailable("; ".join(f"`{n}`: {why}" if named else why for n, why in down.items())))
+        operator = key_matches(cfg, raw.headers.get("authorization", ""))  # pids and load are for the operator only
+        detail = {name: {"kind": s.kind, "ready": True, **({"workers": s.workers()} if operator else {})}
+                  for name, s in registry.services.items()}
+        body = {"status": "ok", "models": detail}
+        if len(detail) == 1:  # one engine: its name and workers at the top, as before several were served
+            (name, only), = detail.items()
+            body.update({"model": name, **({"workers": only["workers"]} if operator else {})})
         return body
 
     @app.get("/metrics")
@@ -123,25 +129,6 @@ def build_app(cfg: ServerConfig):
         return Response(body, media_type=content_type)
 
     return app
-
-
-def make_service(cfg: ServerConfig, metrics):
-    """The embeddings service for an encoder engine, the generation service for a decoder."""
-    from trtserve.engine_dir import open_engine_dir
-    from trtserve.server.tracks import TrackGenerationService, check_tracks_option
-
-    manifest = open_engine_dir(cfg.engine_dir, verify=False).manifest
-    check_tracks_option(cfg.engine_dir, manifest, cfg.tracks)
-    kind = manifest["model"]["kind"]
-    if kind == "parallel_track":
-        return TrackGenerationService(cfg, metrics)
-    if kind == "decoder":
-        from trtserve.server.generation import GenerationService
-
-        return GenerationService(cfg, metrics)
-    from trtserve.server.embeddings import EmbeddingService
-
-    return EmbeddingService(cfg, metrics)
 
 
 def _explain(errors: list[dict]) -> tuple[str | None, str]:
@@ -162,10 +149,10 @@ def _explain(errors: list[dict]) -> tuple[str | None, str]:
     return where, " or ".join(dict.fromkeys(str(e.get("msg", "invalid")) for e in chosen))
 
 
-def _generator(state: dict, request):
+def _generator(registry, request):
     if request.model_extra:
         log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-    service = state["service"]
+    service = registry.get(request.model)
     if getattr(service, "kind", "encoder") != "decoder":
         raise BadRequest(f"`{service.model_id}` is an encoder engine: it serves /v1/embeddings, not generation",
                          param="model")
@@ -298,8 +285,8 @@ async def _probe_forever(service) -> None:
             log.exception("health probe failed")
 
 
-def serve(cfg: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then finish in-flight requests and return (exit code 0)."""
+def serve(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None) -> None:
+    """Serve `engines` (see build_app). Run until SIGTERM/SIGINT, then finish in-flight requests and return (exit code 0)."""
     import uvicorn
 
     handler = logging.StreamHandler()
@@ -314,5 +301,5 @@ def serve(cfg: ServerConfig) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
-    Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level="info",
+    Server(uvicorn.Config(build_app(cfg, engines), host=cfg.host, port=cfg.port, log_level="info",
                           timeout_graceful_shutdown=cfg.drain_timeout)).run()
