@@ -62,6 +62,11 @@ def token_ids(tokenizer, texts: list[str], add_special_tokens: bool = True) -> l
     return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
+class WithHidden(list):
+    """A token-id row whose caller wants its last hidden state as well as its embedding (raw tensors
+    over KServe v2); rows of both kinds share a batch."""
+
+
 class TextEngine:
     """Tokenizer + backend for one engine dir."""
 
@@ -91,6 +96,19 @@ class TextEngine:
 
     def embed_ids(self, rows: list[list[int]]) -> np.ndarray:
         """Embeddings of token-id rows, right-padded to the longest row."""
+        return self._encode(rows)[0]
+
+    def encode_ids(self, rows: list[list[int]]):
+        """What each row's caller asked for: the (B, H) embeddings when no row is a WithHidden; else one
+        item per row, its embedding or, for a WithHidden row, (embedding, its last hidden state (len, H))."""
+        hidden = any(isinstance(row, WithHidden) for row in rows)
+        embeddings, states = self._encode(rows, hidden)
+        if not hidden:
+            return embeddings
+        return [(e, states[i, : len(row)]) if isinstance(row, WithHidden) else e
+                for i, (e, row) in enumerate(zip(embeddings, rows))]
+
+    def _encode(self, rows: list[list[int]], hidden: bool = False):
         longest = max(map(len, rows))
         ids = np.full((len(rows), longest), self.pad_id, dtype=np.int64)
         mask = np.zeros_like(ids)
@@ -100,8 +118,10 @@ class TextEngine:
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self.input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)
-        pooled = self.backend.infer(feeds)["sentence_embedding"]
-        return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        outputs = self.backend.infer(feeds)
+        pooled = outputs["sentence_embedding"]
+        normalised = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return normalised, outputs["last_hidden_state"] if hidden else None
 
     def complete(self, prompt: str, max_new_tokens: int = 32) -> str:
         """Greedy continuation of one prompt, stopping at end-of-sequence."""

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
+from trtserve.server.kserve import OPEN as KSERVE_OPEN
 from trtserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,13 +23,18 @@ from trtserve.server.protocol import (
 )
 
 log = logging.getLogger("trtserve.server")
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics"}  # and KServe v2's health probes
 PROBE_EVERY = 5.0
 
 
-def error_response(exc: ServingError):
+def error_response(exc: ServingError, path: str = ""):
+    """OpenAI's error shape; the KServe v2 protocol's on its routes."""
     from fastapi.responses import JSONResponse
 
+    from trtserve.server.kserve import error, is_v2
+
+    if is_v2(path):
+        return error(exc)
     body = ErrorResponse(error=ErrorBody(message=exc.message, type=exc.type, param=exc.param, code=exc.code))
     headers = {"Retry-After": "1"} if exc.status == 429 else None
     return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
@@ -77,7 +83,7 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
-        return error_response(ServingError(str(exc.detail), status=exc.status_code))
+        return error_response(ServingError(str(exc.detail), status=exc.status_code), request.url.path)
 
     @app.get("/v1/models")
     async def models():
@@ -128,6 +134,10 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    from trtserve.server import kserve, tokens
+
+    kserve.register(app, state, cfg, metrics)
+    tokens.register(app, state)
     return app
 
 
@@ -220,13 +230,13 @@ class Guard:
         try:
             rejected = self._reject(scope)
             if rejected is not None:
-                return await error_response(rejected)(scope, receive, send_status)
+                return await error_response(rejected, scope["path"])(scope, receive, send_status)
             try:
                 await self.app(scope, self._counting(receive), send_status)
             except _TooLarge:
                 limit = self.cfg.max_body_bytes
-                await error_response(PayloadTooLarge(f"the request body is over the limit of {limit} bytes"))(
-                    scope, receive, send_status)
+                await error_response(PayloadTooLarge(f"the request body is over the limit of {limit} bytes"),
+                                     scope["path"])(scope, receive, send_status)
         finally:
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
             self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
@@ -242,7 +252,7 @@ class Guard:
 
     def _reject(self, scope) -> ServingError | None:
         headers = dict(scope["headers"])
-        if scope["path"] not in OPEN_PATHS:
+        if scope["path"] not in OPEN_PATHS and scope["path"] not in KSERVE_OPEN:
             if not key_matches(self.cfg, headers.get(b"authorization", b"").decode("latin-1")):
                 return Unauthorized("invalid or missing API key: send `Authorization: Bearer <key>`",
                                     code="invalid_api_key")
@@ -286,7 +296,8 @@ async def _probe_forever(service) -> None:
 
 
 def serve(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None) -> None:
-    """Serve `engines` (see build_app). Run until SIGTERM/SIGINT, then finish in-flight requests and return (exit code 0)."""
+    """Serve `engines` (see build_app). Run until SIGTERM/SIGINT, then finish in-flight requests and
+    return (exit code 0)."""
     import uvicorn
 
     handler = logging.StreamHandler()

@@ -43,7 +43,7 @@ class ChatRenderer:
             return None
         return cls(template, special.bos_token, special.eos_token)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         from jinja2.exceptions import TemplateError
 
         if not messages:
@@ -55,6 +55,7 @@ class ChatRenderer:
         # "developer" is OpenAI's newer name for "system"; templates know "system"
         messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special)
         except TemplateError as exc:
             raise BadRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None

@@ -87,18 +87,22 @@ class EmbeddingService(Service):
                              param="input", code="context_length_exceeded")
         return rows
 
-    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        rows = await asyncio.to_thread(self.rows, request)  # tokenizing a 2 MB body must not stall the loop
-        # queued shortest first, so that the batches a long input list is cut into pad less
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    async def encode(self, rows: list[list[int]]) -> list:
+        """Each row's result from the batcher (TextEngine.encode_ids), in order, within the request timeout."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # queued shortest first: batches pad less
         try:
             results = await asyncio.wait_for(self.batcher.submit_many([rows[i] for i in order]),
                                              self.cfg.request_timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"the request took longer than {self.cfg.request_timeout:g} s") from None
-        vectors = [None] * len(rows)
-        for i, vector in zip(order, results):
-            vectors[i] = vector
+        ordered = [None] * len(rows)
+        for i, result in zip(order, results):
+            ordered[i] = result
+        return ordered
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        rows = await asyncio.to_thread(self.rows, request)  # tokenizing a 2 MB body must not stall the loop
+        vectors = await self.encode(rows)
         data = [Embedding(index=i, embedding=_encode(v, request.encoding_format)) for i, v in enumerate(vectors)]
         tokens = sum(map(len, rows))
         return EmbeddingResponse(data=data, model=self.model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))

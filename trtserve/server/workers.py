@@ -57,7 +57,7 @@ def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None,
         if op == "stop":
             break
         try:
-            conn.send(("ok", text.embed_ids(payload)))
+            conn.send(("ok", text.encode_ids(payload)))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
     text.backend.close()
@@ -157,7 +157,7 @@ class Worker:
     def call(self, rows: list[list[int]]):
         """Run one batch on this worker. Blocking; runs on the worker's own thread."""
         if self.inline:
-            return self.text.embed_ids(rows)
+            return self.text.encode_ids(rows)
         conn = self.conn
         if not self.ready or conn is None:
             raise Unavailable(f"worker {self.index} is restarting; retry the request")

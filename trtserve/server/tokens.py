@@ -1,0 +1,74 @@
+"""`/tokenize` and `/detokenize` for every engine, with vLLM's request and response shapes: a prompt
+or chat messages (rendered by the model's chat template) to token ids, and ids back to text."""
+
+from __future__ import annotations
+
+import asyncio
+
+from trtserve.server.errors import BadRequest
+from trtserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+
+
+def pick(registry, model: str | None):
+    """The engine `model` names; without a name, the only one (vLLM's default is its base model)."""
+    if model:
+        return registry.get(model)
+    if len(registry) == 1:
+        return next(iter(registry.services.values()))
+    raise BadRequest(f"give `model`: this server serves {registry.names()}", param="model")
+
+
+def tokenize(service, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    if isinstance(request, TokenizeChatRequest):
+        text = _rendered(service, request)
+    else:
+        text = request.prompt
+    ids = service.tokenizer.encode(text, add_special_tokens=request.add_special_tokens).ids
+    strs = [service.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else None
+    limit = service.manifest["shapes"]["sequence"]["max"]
+    return TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids, token_strs=strs)
+
+
+def _rendered(service, request: TokenizeChatRequest) -> str:
+    from trtserve.server.generation import _text
+
+    chat = getattr(service, "chat", None)
+    if chat is None:
+        raise BadRequest(f"`{service.model_id}` has no chat template: tokenize a `prompt` instead", param="messages")
+    for field in ("chat_template", "chat_template_kwargs", "tools"):
+        if getattr(request, field):
+            raise BadRequest(f"`{field}` is not accepted: the model's own chat template renders the messages",
+                             param=field)
+    if request.continue_final_message and "add_generation_prompt" in request.model_fields_set \
+            and request.add_generation_prompt:
+        raise BadRequest("`continue_final_message` and `add_generation_prompt` cannot both be true",
+                         param="continue_final_message")
+    if request.continue_final_message:
+        raise BadRequest("`continue_final_message` is not served yet", param="continue_final_message")
+    messages = [{"role": m.role, "content": _text(m.content)} for m in request.messages]
+    return chat.render(messages, add_generation_prompt=request.add_generation_prompt)
+
+
+def detokenize(service, request: DetokenizeRequest) -> DetokenizeResponse:
+    vocab = service.tokenizer.get_vocab_size(with_added_tokens=True)
+    bad = next((t for t in request.tokens if t >= vocab), None)
+    if bad is not None:
+        raise BadRequest(f"token id {bad} is outside this model's vocabulary [0, {vocab})", param="tokens")
+    return DetokenizeResponse(prompt=service.tokenizer.decode(request.tokens, skip_special_tokens=False))
+
+
+def register(app, state: dict) -> None:
+    @app.post("/tokenize")
+    async def tokenize_route(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        service = pick(state["registry"], request.model)
+        return await asyncio.to_thread(tokenize, service, request)  # a 2 MB prompt must not stall the loop
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await asyncio.to_thread(detokenize, pick(state["registry"], request.model), request)
