@@ -1,5 +1,6 @@
 """`trtserve serve --ray` on a real local Ray cluster (started here with `ray start --head`), through the
-official `openai` client: embeddings and chat over two replicas, and a replica killed under load."""
+official `openai` client: one deployment of two replicas, each holding MiniLM and SmolLM2; embeddings
+and chat over both replicas, and a replica killed under load."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def ray_cluster(tmp_path_factory):
 
 
 class RayServer:
-    def __init__(self, engine: Path, address: str, tmp: Path):
+    def __init__(self, engines: list[Path], address: str, tmp: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"ray-serve-{self.port}.log"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", str(engine), "--ray",
+            self.proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", *map(str, engines), "--ray",
                                           "--ray-address", address, "--replicas", "2", "--port", str(self.port)],
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         self.wait(lambda pids: len(pids) == 2, 300)
@@ -55,8 +56,10 @@ class RayServer:
                 response = httpx.get(f"{self.url}/health", timeout=5)
             except httpx.HTTPError:
                 continue
-            if response.status_code == 200:
-                found.add(response.json()["workers"][0]["pid"])
+            if response.status_code == 200:  # a replica runs its engines in its own process: one pid for all
+                pids = {m["workers"][0]["pid"] for m in response.json()["models"].values()}
+                assert len(pids) == 1, response.json()
+                found |= pids
         return found
 
     def wait(self, condition, seconds: float) -> set[int]:
@@ -84,20 +87,28 @@ def client(url: str):
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_embeddings_over_two_replicas_and_a_killed_replica_recovers(engines, ray_cluster, tmp_path):
+def test_embeddings_and_chat_over_two_replicas_and_a_killed_replica_recovers(engines, ray_cluster, tmp_path):
     from trtserve.runtime import load_backend
     from trtserve.runtime.text import TextEngine
 
     texts = ["Ray spreads requests over replicas.", "Each replica owns one backend.", "Paris is in France."]
     expected = TextEngine(load_backend(engines["minilm"], "onnxruntime")).embed(texts)
-    server = RayServer(engines["minilm"], ray_cluster, tmp_path)
+    server = RayServer([engines["minilm"], engines["smollm2"]], ray_cluster, tmp_path)
     try:
         api = client(server.url)
-        model = api.models.list().data[0].id
-        assert model == "all-MiniLM-L6-v2"
+        assert [m.id for m in api.models.list().data] == ["all-MiniLM-L6-v2", "SmolLM2-135M-Instruct"]
         for _ in range(6):  # requests land on both replicas; every answer matches the engine run here
-            got = np.array([d.embedding for d in api.embeddings.create(model=model, input=texts).data])
+            got = np.array([d.embedding for d in api.embeddings.create(model="all-MiniLM-L6-v2", input=texts).data])
             assert np.abs(got - expected).max() < 1e-5
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        for _ in range(4):
+            stream = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=16,
+                                                 temperature=0, stream=True)
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            assert "Paris" in text, text
+        whole = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=16,
+                                            temperature=0)
+        assert whole.choices[0].message.content == text and whole.usage.completion_tokens > 0
 
         before = server.pids()
         victim = sorted(before)[0]
@@ -106,7 +117,8 @@ def test_embeddings_over_two_replicas_and_a_killed_replica_recovers(engines, ray
         def load():
             while not stop.is_set():
                 try:
-                    statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts},
+                    statuses.append(httpx.post(f"{server.url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2",
+                                                                                   "input": texts},
                                                timeout=60).status_code)
                 except httpx.HTTPError as exc:
                     statuses.append(type(exc).__name__)
@@ -126,27 +138,8 @@ def test_embeddings_over_two_replicas_and_a_killed_replica_recovers(engines, ray
         assert statuses.count(200) > 20, statuses
         assert all(s in (500, 502, 503) for s in failed), failed  # an error answer, never a hang
         assert len(failed) <= 4, failed  # at most the requests in flight on the killed replica
-        answers = [httpx.post(f"{server.url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts}, timeout=60).status_code
-                   for _ in range(10)]
+        answers = [httpx.post(f"{server.url}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts},
+                              timeout=60).status_code for _ in range(10)]
         assert answers == [200] * 10
-    finally:
-        server.stop()
-
-
-def test_chat_streams_over_two_replicas(engines, ray_cluster, tmp_path):
-    server = RayServer(engines["smollm2"], ray_cluster, tmp_path)
-    try:
-        api = client(server.url)
-        model = api.models.list().data[0].id
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-        for _ in range(4):
-            stream = api.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0,
-                                                 stream=True)
-            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-            assert "Paris" in text, text
-        whole = api.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0)
-        assert whole.choices[0].message.content == text
-        assert whole.usage.completion_tokens > 0
-        assert len(server.pids()) == 2
     finally:
         server.stop()

@@ -206,5 +206,3 @@ def test_two_engines_under_one_name_are_refused_before_anything_starts(engines):
     named = run_cli("serve", str(engines["minilm"]), f"other={engines['minilm']}", "--served-model-name", "x",
                     timeout=120)
     assert named.returncode != 0 and "--served-model-name names one engine" in named.stderr
-    ray = run_cli("serve", str(engines["minilm"]), str(engines["smollm2"]), "--ray", timeout=120)
-    assert ray.returncode != 0 and "--ray deploys one engine per application" in ray.stderr

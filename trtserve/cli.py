@@ -246,13 +246,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                             "--model-repository")
     cfg = load(ServerConfig, args, engine_dir=models[0] if models else target.model_repository)
     ray = load(RayOptions, args)
-    if ray.ray:
-        if len(models) != 1 or target.model_repository:
-            raise TrtServeError("--ray deploys one engine per application: run `trtserve serve --ray` once per "
-                                "engine, each on its own --port")
+    if ray.ray:  # every replica holds all the engines
         from trtserve.deploy.ray_serve import run
 
-        run(models[0], target.precision, target.backend, cfg, ray)
+        run(models, target.precision, target.backend, cfg, ray, repository=target.model_repository)
         return 0
     from trtserve.deploy.engines import served_engines
     from trtserve.server.app import serve

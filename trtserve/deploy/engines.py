@@ -103,30 +103,37 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def split_name(model: str) -> tuple[str | None, str]:
+    """NAME=MODEL as (NAME, MODEL); a plain MODEL (or a path that exists with "=" in it) as (None, MODEL)."""
+    name, sep, rest = model.partition("=")
+    if sep and name and "/" not in name and not Path(model).exists():
+        return name, rest
+    return None, model
+
+
+def repository_folders(repository: str | None) -> list[Path]:
+    """The engine directories of a model repository (its subfolders; hidden ones skipped)."""
+    from trtserve.engine_dir import MANIFEST
+
+    if repository is None:
+        return []
+    root = Path(repository)
+    if not root.is_dir():
+        raise TrtServeError(f"--model-repository {repository} is not a directory")
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    strays = [p.name for p in folders if not (p / MANIFEST).is_file()]
+    if strays:
+        raise TrtServeError(f"--model-repository {repository}: {', '.join(strays)} hold no {MANIFEST}; every "
+                            "subfolder must be an engine directory (build one with `trtserve build-engine`)")
+    if not folders:
+        raise TrtServeError(f"--model-repository {repository} has no engine directories")
+    return folders
+
+
 def served_engines(models: list[str], repository: str | None = None, precision: str = "fp32",
                    backend: str = "auto") -> list[tuple[str | None, Path]]:
     """(model name or None, engine dir) for each MODEL (an engine dir or a model, optionally as NAME=MODEL;
     without a name, served under its manifest's model id) and each engine dir in REPOSITORY (served under
     its folder's name, as in a Triton model repository). Models are built on first use (engine_for)."""
-    from trtserve.engine_dir import MANIFEST
-
-    named: list[tuple[str | None, str]] = []
-    for model in models:
-        name, sep, rest = model.partition("=")
-        if sep and name and "/" not in name and not Path(model).exists():
-            named.append((name, rest))
-        else:
-            named.append((None, model))
-    if repository is not None:
-        root = Path(repository)
-        if not root.is_dir():
-            raise TrtServeError(f"--model-repository {repository} is not a directory")
-        folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        strays = [p.name for p in folders if not (p / MANIFEST).is_file()]
-        if strays:
-            raise TrtServeError(f"--model-repository {repository}: {', '.join(strays)} hold no {MANIFEST}; every "
-                                "subfolder must be an engine directory (build one with `trtserve build-engine`)")
-        if not folders:
-            raise TrtServeError(f"--model-repository {repository} has no engine directories")
-        named += [(p.name, str(p)) for p in folders]
+    named = [split_name(m) for m in models] + [(p.name, str(p)) for p in repository_folders(repository)]
     return [(name, engine_for(model, precision, backend)) for name, model in named]

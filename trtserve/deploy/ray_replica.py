@@ -10,17 +10,18 @@ from trtserve.server.config import ServerConfig
 @serve.deployment
 @serve.ingress()
 class TrtServeReplica:
-    def __init__(self, model: str, precision: str, backend: str, cfg: ServerConfig):
-        from trtserve.deploy.engines import engine_for
+    def __init__(self, models: list[str], repository: str | None, precision: str, backend: str, cfg: ServerConfig):
+        from trtserve.deploy.engines import served_engines
 
-        # On this replica's node: an engine built for this GPU type and TensorRT version, or the CPU engine.
-        self.cfg = cfg.model_copy(update={"engine_dir": str(engine_for(model, precision, backend))})
+        # On this replica's node: engines built for this GPU type and TensorRT version, or the CPU engines.
+        self.engines = [(name, str(path)) for name, path in served_engines(models, repository, precision, backend)]
+        self.cfg = cfg.model_copy(update={"engine_dir": self.engines[0][1]})
         self._trtserve_app = None
 
     def __serve_build_asgi_app__(self):
         from trtserve.server.app import build_app
 
-        self._trtserve_app = build_app(self.cfg)
+        self._trtserve_app = build_app(self.cfg, self.engines)
         return self._trtserve_app
 
     async def check_health(self) -> None:

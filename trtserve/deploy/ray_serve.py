@@ -1,7 +1,9 @@
 """`trtserve serve --ray`: the same ASGI application as a Ray Serve deployment, one replica per GPU or CPU worker.
 
-Each replica resolves its engine on its own node (built once per GPU type, see deploy/engines.py),
-runs the backend in its own process, and serves trtserve's routes; Ray's proxy spreads requests
+Each replica resolves its engines on its own node (built once per GPU type, see deploy/engines.py),
+runs their backends in its own process, and serves trtserve's routes; with several engines (or a
+model repository) every replica holds all of them, as one `trtserve serve` process does, so one
+deployment serves every model and Ray's replicas scale them together; Ray's proxy spreads requests
 over the replicas, restarts replicas that die or fail `check_health`, and scales them when asked.
 Our queue limits become Ray's: `--max-queue` bounds both the requests in flight at a replica
 (`max_ongoing_requests`) and those waiting at the proxy (`max_queued_requests`, then 429).
@@ -68,21 +70,28 @@ def replica_config(cfg: ServerConfig, cpus_per_replica: float) -> ServerConfig:
     return cfg.model_copy(update={"workers": 0, "threads": max(1, int(cpus_per_replica))})
 
 
-def build_application(model: str, precision: str, backend: str, cfg: ServerConfig, options: dict):
+def build_application(models: list[str], repository: str | None, precision: str, backend: str, cfg: ServerConfig,
+                      options: dict):
     from trtserve.deploy.ray_replica import TrtServeReplica
 
     cpus = options["ray_actor_options"]["num_cpus"]
-    return TrtServeReplica.options(**options).bind(model, precision, backend, replica_config(cfg, cpus))
+    return TrtServeReplica.options(**options).bind(models, repository, precision, backend, replica_config(cfg, cpus))
 
 
-def run(model: str, precision: str, backend: str, cfg: ServerConfig, opts: RayOptions, blocking: bool = True):
-    """Start (or join) a Ray cluster, deploy, and serve on cfg.host:cfg.port until interrupted."""
+def run(models: list[str], precision: str, backend: str, cfg: ServerConfig, opts: RayOptions, blocking: bool = True,
+        repository: str | None = None):
+    """Start (or join) a Ray cluster, deploy, and serve on cfg.host:cfg.port until interrupted. MODELS as
+    `trtserve serve` takes them ([NAME=]MODEL); every replica holds all of them."""
     try:
         import ray
         from ray import serve
     except ImportError:
         raise TrtServeError("--ray needs Ray Serve: pip install 'trtserve[ray]'") from None
-    kind = model_kind(model)
+    from trtserve.deploy.engines import repository_folders, split_name
+
+    paths = [split_name(m)[1] for m in models] + [str(p) for p in repository_folders(repository)]
+    kinds = [model_kind(p) for p in paths]
+    kind = "decoder" if "decoder" in kinds else kinds[0]  # a replica is busy when its decoder is
     ray.init(address=opts.ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     resources = ray.cluster_resources()
     options = deployment_options(cfg, kind, opts, resources.get("GPU", 0.0), resources.get("CPU", 0.0))
@@ -90,11 +99,11 @@ def run(model: str, precision: str, backend: str, cfg: ServerConfig, opts: RayOp
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
     except ray.exceptions.RayError as exc:
         raise TrtServeError(_ray_failure("could not start its HTTP proxy", exc)) from None
-    print(f"ray serve: {model} ({kind}) on http://{cfg.host}:{cfg.port}, "
+    print(f"ray serve: {', '.join(f'{p} ({k})' for p, k in zip(paths, kinds))} on http://{cfg.host}:{cfg.port}, "
           f"{options.get('num_replicas', 'autoscaled')} replica(s), "
           f"{options['ray_actor_options']['num_gpus']:g} GPU and {options['ray_actor_options']['num_cpus']:g} CPU "
           "each", file=sys.stderr)
-    app = build_application(model, precision, backend, cfg, options)
+    app = build_application(models, repository, precision, backend, cfg, options)
     try:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except (ray.exceptions.RayError, RuntimeError) as exc:
