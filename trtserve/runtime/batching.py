@@ -16,7 +16,7 @@ import numpy as np
 from trtserve.runtime.base import Backend
 from trtserve.runtime.generate import DecodeState, logit_feed, past_names, positions_from_mask, present_name
 from trtserve.runtime.generate import step as feed_tokens
-from trtserve.runtime.sampling import Sampler, SamplingParams, finish_reason, prompt_logprobs
+from trtserve.runtime.sampling import Sampler, SamplingError, SamplingParams, finish_reason, prompt_logprobs
 
 
 @dataclass
@@ -91,10 +91,16 @@ class ContinuousBatcher:
         self.batch = _Batch()
         self.prefill: _Prefill | None = None
         self.newcomers: list[Sequence] = []  # being prefilled, not yet in the batch
+        self.constraints = None  # grammar -> Constraint (runtime/constraints.py), where the worker set one
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
-        self.waiting.append(Sequence(seq_id, list(prompt), params, Sampler(params, self.vocab)))
+        constraint = None
+        if params.grammar is not None:
+            if self.constraints is None:
+                raise SamplingError("this batcher cannot constrain decoding to a grammar")
+            constraint = self.constraints(params.grammar)
+        self.waiting.append(Sequence(seq_id, list(prompt), params, Sampler(params, self.vocab, constraint)))
 
     def _unwait(self, seq_id: str) -> bool:
         """Take a sequence out of the waiting queue; whether it was there."""

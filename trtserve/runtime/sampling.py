@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks; vLLM's extension)
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
+    grammar: str | None = None  # llguidance grammar the output must follow (runtime/constraints.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,10 +67,11 @@ def prompt_logprobs(prompt: list[int], logits: np.ndarray, top: int) -> list[tup
 
 
 class Sampler:
-    """One per sequence: its own random generator (seeded for reproducible output) and token counts."""
+    """One per sequence: its own random generator (seeded for reproducible output), token counts, and
+    the grammar constraint when the sequence has one."""
 
-    def __init__(self, params: SamplingParams, vocab: int):
-        self.params, self.vocab = params, vocab
+    def __init__(self, params: SamplingParams, vocab: int, constraint=None):
+        self.params, self.vocab, self.constraint = params, vocab, constraint
         # any 64-bit seed, negative ones included (numpy's generators take non-negative seeds only)
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: np.ndarray | None = None  # token counts for the penalties, made on first use
@@ -86,10 +88,14 @@ class Sampler:
             if self.counts is None:
                 self.counts = np.zeros(self.vocab, dtype=np.int32)
             logits -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
+        if self.constraint is not None:
+            self.constraint.apply(logits)  # tokens outside the grammar: -inf
         if p.temperature < GREEDY_BELOW or p.top_k == 1:
             token = int(np.argmax(logits))
         else:
             token = self._sample((logits - np.max(logits)) / p.temperature)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if self.counts is not None:
             self.counts[token] += 1
         if p.logprobs is None:

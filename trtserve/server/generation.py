@@ -65,9 +65,36 @@ class DecoderService(Service):
     max_seq: int  # prompt plus generated tokens a sequence may hold
     vocab: int  # token ids a prompt may use are [0, vocab)
 
+    constrained = False  # whether its decode loop takes grammars (structured outputs)
+
     def __init__(self, cfg: ServerConfig, metrics=None, verify: bool = False):
         super().__init__(cfg, metrics, verify)
         self.chat = ChatRenderer.for_engine(self.engine.path, self.special)
+        self._lltokenizer = None
+
+    @property
+    def lltokenizer(self):
+        """The grammar library's view of the tokenizer, to check grammars with (built on first use)."""
+        from trtserve.runtime.constraints import grammar_tokenizer
+
+        if self._lltokenizer is None:
+            self._lltokenizer = grammar_tokenizer(self.tokenizer, self.vocab, self.special.eos_ids)
+        return self._lltokenizer
+
+    async def grammar(self, request) -> str | None:
+        """The grammar a request's structured output compiles to, or None (400 for a bad one)."""
+        from trtserve.server.structured import compile_for, requested
+
+        spec = requested(request)
+        if spec is None:
+            return None
+        if not self.constrained:
+            raise BadRequest(f"`{self.model_id}` is track-sharded: its decode loop does not serve structured "
+                             "outputs yet", param=spec[2])
+        if request.ignore_eos:
+            raise BadRequest("`ignore_eos` cannot be combined with a structured output: the grammar ends it",
+                             param="ignore_eos")
+        return await asyncio.to_thread(compile_for, self, *spec)
 
     def submit(self, jobs: list[Job]) -> Submission:
         """Admit every job of a request, or none (429 / 503 before any byte of the answer)."""
@@ -85,6 +112,7 @@ class DecoderService(Service):
         if not prompts:
             raise BadRequest("`prompt` is empty: give a string, a list of strings or token arrays", param="prompt")
         self._check_count(len(prompts) * request.n, request.n, "prompt")  # before any tokenizing
+        grammar = await self.grammar(request)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await asyncio.to_thread(token_ids, self.tokenizer, texts) if texts else [])
         jobs = []
@@ -96,7 +124,7 @@ class DecoderService(Service):
                 raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", param="prompt")
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if request.echo else ""
             scored = request.logprobs if request.echo else None  # echo + logprobs: the prompt's logprobs too
-            jobs += self._fan_out(request, ids, request.max_tokens or 16, request.logprobs, echo, scored)
+            jobs += self._fan_out(request, ids, request.max_tokens or 16, request.logprobs, echo, scored, grammar)
         self._check_tokens(jobs)
         return jobs
 
@@ -109,12 +137,13 @@ class DecoderService(Service):
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         self._check_count(request.n, request.n, "n")
+        grammar = await self.grammar(request)
         messages = [{"role": m.role, "content": _text(m.content)} for m in request.messages]
         prompt = await asyncio.to_thread(self.chat.render, messages)
         ids = (await asyncio.to_thread(token_ids, self.tokenizer, [prompt], False))[0]
         limit = request.max_completion_tokens or request.max_tokens or max(self.max_seq - len(ids), 1)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        jobs = self._fan_out(request, ids, limit, logprobs, "")
+        jobs = self._fan_out(request, ids, limit, logprobs, "", grammar=grammar)
         self._check_tokens(jobs)
         return jobs
 
@@ -134,7 +163,7 @@ class DecoderService(Service):
                              "split the request", param="prompt")
 
     def _fan_out(self, request, ids: list[int], max_tokens: int, logprobs: int | None, echo: str,
-                 prompt_logprobs: int | None = None) -> list[Job]:
+                 prompt_logprobs: int | None = None, grammar: str | None = None) -> list[Job]:
         if len(ids) + max_tokens > self.max_seq:
             raise BadRequest(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} "
                              f"is over this engine's context of {self.max_seq} tokens; shorten the prompt or lower "
@@ -148,7 +177,7 @@ class DecoderService(Service):
                 max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                 top_k=max(request.top_k, 0), seed=None if request.seed is None else request.seed + i,
                 presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                logprobs=logprobs, ignore_eos=request.ignore_eos, prompt_logprobs=prompt_logprobs)
+                logprobs=logprobs, ignore_eos=request.ignore_eos, prompt_logprobs=prompt_logprobs, grammar=grammar)
             jobs.append(Job(ids, params, stop, echo))
         return jobs
 
@@ -197,6 +226,8 @@ class DecoderService(Service):
 class GenerationService(DecoderService):
     """A decoder engine over worker processes (or the in-process worker), each running the
     continuous batcher (server/generation_worker.py)."""
+
+    constrained = True
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files
@@ -294,11 +325,7 @@ def _safe_end(text: str, stops: list[str]) -> int:
 
 
 def _refuse_unserved(request: ChatCompletionRequest) -> None:
-    """Structured outputs and tools are not served yet: refused, never silently ignored."""
-    kind = (request.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise BadRequest(f"response_format {kind!r} is not supported by this server yet; only 'text'",
-                         param="response_format")
+    """Tools are not served yet: refused, never silently ignored."""
     if request.tools:
         raise BadRequest("`tools` (function calling) is not supported by this server yet", param="tools")
     if request.tool_choice not in (None, "none"):

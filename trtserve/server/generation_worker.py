@@ -25,10 +25,14 @@ _ids = itertools.count()
 def new_batcher(text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None):
     """A batcher over `text`'s backend with the sessions it decodes with loaded: a worker builds its
     first one before it reports ready, so that loading never counts against a step's deadline."""
+    from trtserve.runtime.constraints import Constraints
     from trtserve.runtime.slot_batching import SlotBatcher, make_batcher
 
     batcher = make_batcher(text.backend, text.eos_ids, max_num_seqs, max_batched_tokens, text.pad_id,
                            max_prefill_tokens)
+    if getattr(text, "constraints", None) is None:  # kept across batchers: its grammar tokenizer is costly
+        text.constraints = Constraints(text.tokenizer, batcher.vocab, text.eos_ids)
+    batcher.constraints = text.constraints
     if not isinstance(batcher, SlotBatcher):
         getattr(text.backend, "session", None)  # ONNX Runtime loads its session on first use
     return batcher

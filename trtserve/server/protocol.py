@@ -104,6 +104,12 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # structured outputs in vLLM's extra-body forms (server/structured.py)
+    structured_outputs: dict | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -127,8 +133,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Structured outputs and tools are not served yet: declared so that they are refused, not ignored.
-    response_format: dict | None = None
+    response_format: dict | None = None  # structured outputs (server/structured.py)
+    # Tools are not served yet: declared so that they are refused, not ignored.
     tools: list | None = None
     tool_choice: Text | dict | None = None
 
