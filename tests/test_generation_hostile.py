@@ -90,7 +90,12 @@ HOSTILE = [  # (route, raw JSON body, expected status)
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
                           "response_format": {"type": "json_object"}}, 200),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                          "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+                          "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}] * 1,
+        "tool_choice": "required", "max_tokens": 3}, 200),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "{{ 7*7 }}"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "not json"}}]}]}, 400),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required"}, 400),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}, 400),
     ("chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400),

@@ -108,3 +108,63 @@ def test_bad_structured_outputs_are_400_naming_the_field(server, extra, field, m
     error = response.json()["error"]
     assert error["param"] == field and message in error["message"], error
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_named_and_required_tool_calls_return_valid_arguments_streamed_or_not(client):
+    import json
+
+    import jsonschema
+
+    named = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, temperature=0,
+                                           max_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    required = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, temperature=0,
+                                              max_tokens=60, tool_choice="required")
+    (whole,) = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and whole.function.name in ("get_weather", "get_time")
+    stream = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, temperature=0,
+                                            max_tokens=60, tool_choice="required", stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    deltas = [d for c in chunks for d in (c.delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(whole.function.name,
+                                                                          whole.function.arguments)]
+    assert chunks[-1].finish_reason == "tool_calls"
+    # the call and its result go back into the history; the model answers on
+    history = WEATHER_ASK + [
+        {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                              "function": {"name": call.function.name,
+                                                           "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    after = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                           temperature=0, max_tokens=8)
+    assert after.choices[0].message.content and after.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(server, extra, field):
+    response = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": WEATHER_ASK, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field, response.json()

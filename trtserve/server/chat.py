@@ -9,7 +9,7 @@ from pathlib import Path
 from trtserve.runtime.text import SpecialTokens
 from trtserve.server.errors import BadRequest
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def load_chat_template(engine_path: Path) -> str | None:
@@ -34,6 +34,7 @@ class ChatRenderer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         self.template = env.from_string(template)
+        self.takes_tools = "tools" in template  # the template renders tool definitions itself
         self.special = {"bos_token": bos_token, "eos_token": eos_token}
 
     @classmethod
@@ -43,7 +44,7 @@ class ChatRenderer:
             return None
         return cls(template, special.bos_token, special.eos_token)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         from jinja2.exceptions import TemplateError
 
         if not messages:
@@ -55,7 +56,8 @@ class ChatRenderer:
         # "developer" is OpenAI's newer name for "system"; templates know "system"
         messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         try:
+            extra = {"tools": tools} if tools else {}
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special)
+                                        **self.special, **extra)
         except TemplateError as exc:
             raise BadRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None

@@ -125,7 +125,21 @@ async def complete(service: GenerationService, jobs: list[Job], submission: Subm
     choices = [shape.choice(i, texts[i], finish[i], shape.logprobs(prompts[i] + entries[i], 0 if prompts[i] else
                                                                    len(jobs[i].echo)), chunk=False)
                for i in range(len(jobs))]
+    for i, choice in enumerate(choices):
+        calls = _calls(jobs[i], texts[i], finish[i])
+        if calls:  # the answer is a call: no content, OpenAI's finish reason
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
     return shape.envelope(choices, _usage(jobs, tokens), chunk=False)
+
+
+def _calls(job: Job, text: str, finish: str | None) -> list | None:
+    """The tool calls a finished chat answer holds (server/tools.py), or None."""
+    if job.tools is None or finish != "stop":
+        return None
+    from trtserve.server.tools import calls_in
+
+    return calls_in(job.tools, text)
 
 
 async def stream(service: GenerationService, jobs: list[Job], submission: Submission, chat: bool, model: str,
@@ -135,6 +149,7 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
     shape = _Shape(service, chat, model)
     tokens, started = 0, set()
     offsets = [len(job.echo) for job in jobs]
+    held = {i: ["", []] for i, job in enumerate(jobs) if job.tools is not None}  # tools: text and logprobs
     try:
         for index, job in enumerate(jobs):  # the first chunk of each choice: the role, or the echoed prompt
             if chat or (job.echo and job.params.prompt_logprobs is None):
@@ -146,6 +161,13 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
                 scored = shape.logprobs(piece.prompt_logprobs, 0) if piece.prompt_logprobs else None
                 yield _event(shape.envelope([shape.choice(index, jobs[index].echo, None, scored, True)], None, True))
             tokens += len(piece.tokens)
+            if index in held:  # an answer that may be a tool call is sent once it is whole
+                held[index][0] += piece.text
+                held[index][1] += piece.logprobs
+                if piece.finish:
+                    for event in _held_answer(shape, index, *held[index], piece.finish, jobs[index]):
+                        yield event
+                continue
             if not piece.text and not piece.finish and not piece.logprobs:
                 continue
             first = chat and index not in started
@@ -164,6 +186,20 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
     finally:
         submission.close()
     yield "data: [DONE]\n\n"
+
+
+def _held_answer(shape: _Shape, index: int, text: str, entries: list, finish: str, job: Job):
+    """The chunks of a whole answer: a tool-call delta then the finish, or the text as content."""
+    logprobs = shape.logprobs(entries)
+    calls = _calls(job, text, finish)
+    if not calls:
+        yield _event(shape.envelope([shape.choice(index, text, finish, logprobs, True)], None, True))
+        return
+    delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+    yield _event(shape.envelope([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
+                                None, True))
+    yield _event(shape.envelope([{"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}],
+                                None, True))
 
 
 def _event(body: dict) -> str:

@@ -40,6 +40,7 @@ class Job:
     params: SamplingParams
     stop: list[str]
     echo: str = ""
+    tools: object = None  # server/tools.ToolPlan: the answer may be a tool call
 
 
 class Submission:
@@ -81,11 +82,15 @@ class DecoderService(Service):
             self._lltokenizer = grammar_tokenizer(self.tokenizer, self.vocab, self.special.eos_ids)
         return self._lltokenizer
 
-    async def grammar(self, request) -> str | None:
-        """The grammar a request's structured output compiles to, or None (400 for a bad one)."""
+    async def grammar(self, request, tool_spec=None) -> str | None:
+        """The grammar a request's structured output (or forced tool call) compiles to, or None (400
+        for a bad one)."""
         from trtserve.server.structured import compile_for, requested
 
         spec = requested(request)
+        if spec is not None and tool_spec is not None:
+            raise BadRequest("a forced tool call and a structured output cannot be combined", param="tool_choice")
+        spec = spec or tool_spec
         if spec is None:
             return None
         if not self.constrained:
@@ -133,17 +138,22 @@ class DecoderService(Service):
         if self.chat is None:
             raise BadRequest(f"`{self.model_id}` has no chat template in its tokenizer config: use /v1/completions "
                              "with a prompt you format yourself", param="messages")
-        _refuse_unserved(request)
+        from trtserve.server import tools
+
+        tool_plan = tools.plan(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         self._check_count(request.n, request.n, "n")
-        grammar = await self.grammar(request)
-        messages = [{"role": m.role, "content": _text(m.content)} for m in request.messages]
-        prompt = await asyncio.to_thread(self.chat.render, messages)
+        grammar = await self.grammar(request, tools.grammar_spec(tool_plan))
+        messages = tools.messages_for(request.messages, tool_plan, self.chat.takes_tools)
+        listed = [{"type": "function", "function": f} for f in tool_plan.tools.values()] if tool_plan else None
+        prompt = await asyncio.to_thread(self.chat.render, messages, True, listed if self.chat.takes_tools else None)
         ids = (await asyncio.to_thread(token_ids, self.tokenizer, [prompt], False))[0]
         limit = request.max_completion_tokens or request.max_tokens or max(self.max_seq - len(ids), 1)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         jobs = self._fan_out(request, ids, limit, logprobs, "", grammar=grammar)
+        for job in jobs:
+            job.tools = tool_plan
         self._check_tokens(jobs)
         return jobs
 
@@ -322,14 +332,6 @@ def _safe_end(text: str, stops: list[str]) -> int:
                 hold = max(hold, k)
                 break
     return end - hold
-
-
-def _refuse_unserved(request: ChatCompletionRequest) -> None:
-    """Tools are not served yet: refused, never silently ignored."""
-    if request.tools:
-        raise BadRequest("`tools` (function calling) is not supported by this server yet", param="tools")
-    if request.tool_choice not in (None, "none"):
-        raise BadRequest("`tool_choice` needs `tools`, which this server does not support yet", param="tool_choice")
 
 
 def _event_error(error: str, worker: int) -> ServingError:

@@ -126,6 +126,9 @@ class ContentPart(BaseModel):
 class ChatMessage(_Request):
     role: Text
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool result's call
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -134,8 +137,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict | None = None  # structured outputs (server/structured.py)
-    # Tools are not served yet: declared so that they are refused, not ignored.
-    tools: list | None = None
+    tools: list | None = None  # server/tools.py
     tool_choice: Text | dict | None = None
 
 

@@ -1,0 +1,149 @@
+"""Tool calls for chat, in OpenAI's shapes: `tools` (functions with JSON-schema parameters) and
+`tool_choice` (`none`, `auto`, `required`, or a named function).
+
+- The tools reach the model through its chat template when the template takes `tools`; otherwise
+  a system message lists them and asks for `{"name": ..., "arguments": {...}}` as the whole answer.
+- `required` and a named function constrain decoding (server/structured.py, runtime/constraints.py):
+  the answer is a call (any tool's, or the named one's arguments) by construction.
+- `auto` leaves the model free: an answer that is exactly such a JSON object naming a tool is a
+  call, anything else is content (the generic JSON form; no model-specific parser).
+- History: assistant messages with `tool_calls` and `role: "tool"` results are accepted and, for
+  templates without tool support, rendered as the JSON call and a user turn with the result."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from trtserve.server.errors import BadRequest
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+INSTRUCTION = ("You can call these functions. To call one, answer with nothing but a JSON object "
+               '{"name": <function name>, "arguments": <an object of its parameters>}. Functions:\n')
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "auto" | "required" | "named"
+    tools: dict  # name -> the function's definition (name, description, parameters)
+    named: str | None = None
+
+
+def plan(request) -> ToolPlan | None:
+    """The request's tool plan, or None when no tools take part (400 naming the field for bad ones)."""
+    tools, choice = request.tools, request.tool_choice
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest("`tool_choice` needs `tools`", param="tool_choice")
+        return None
+    functions = {}
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise BadRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", param=f"{where}.function.name")
+        if name in functions:
+            raise BadRequest(f"two tools are named {name!r}", param=f"{where}.function.name")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise BadRequest(f"{where}.function.parameters must be a JSON schema object",
+                             param=f"{where}.function.parameters")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise BadRequest(f"{where}.function.description must be a string", param=f"{where}.function.description")
+        functions[name] = {"name": name, "description": description or "", "parameters": parameters}
+    if choice in (None, "auto"):
+        return ToolPlan("auto", functions)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolPlan("required", functions)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        named = choice["function"].get("name")
+        if named not in functions:
+            raise BadRequest(f"tool_choice names {named!r}, which is not among the tools "
+                             f"({', '.join(functions)})", param="tool_choice.function.name")
+        return ToolPlan("named", functions, named)
+    raise BadRequest("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                     "{\"name\": ...}}", param="tool_choice")
+
+
+def grammar_spec(tool_plan: ToolPlan | None) -> tuple[str, object, str] | None:
+    """What constrained decoding must produce: (kind, JSON schema, field) or None for `auto`."""
+    if tool_plan is None or tool_plan.mode == "auto":
+        return None
+    if tool_plan.mode == "named":
+        return "json_schema", tool_plan.tools[tool_plan.named]["parameters"], "tool_choice"
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": f["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, f in tool_plan.tools.items()]
+    return "json_schema", {"anyOf": calls}, "tool_choice"
+
+
+def messages_for(messages, tool_plan: ToolPlan | None, template_takes_tools: bool) -> list[dict]:
+    """Chat messages as the template renders them, tool turns included."""
+    from trtserve.server.generation import _text
+
+    out = []
+    for i, m in enumerate(messages):
+        content = _text(m.content)
+        calls = m.tool_calls or []
+        if calls and m.role != "assistant":
+            raise BadRequest(f"messages[{i}] has tool_calls but its role is {m.role!r}", param=f"messages.{i}")
+        parsed = [_history_call(call, f"messages.{i}.tool_calls.{j}") for j, call in enumerate(calls)]
+        if template_takes_tools:
+            entry = {"role": m.role, "content": content}
+            if parsed:
+                entry["tool_calls"] = [{"type": "function", "function": c} for c in parsed]
+            if m.tool_call_id:
+                entry["tool_call_id"] = m.tool_call_id
+            out.append(entry)
+        elif m.role == "tool":
+            label = m.name or m.tool_call_id or "the function"
+            out.append({"role": "user", "content": f"Result of {label}: {content}"})
+        else:
+            text = "\n".join([content] * bool(content) + [json.dumps(c) for c in parsed])
+            out.append({"role": m.role, "content": text})
+    if tool_plan is not None and not template_takes_tools:
+        listing = INSTRUCTION + "\n".join(json.dumps(f) for f in tool_plan.tools.values())
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{listing}"}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out
+
+
+def _history_call(call, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                         param=where)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise BadRequest(f"{where}.function.arguments is not a JSON string", param=f"{where}.function") from None
+    return {"name": function["name"], "arguments": arguments}
+
+
+def calls_in(tool_plan: ToolPlan, text: str) -> list[dict] | None:
+    """OpenAI tool_calls from a generated answer, or None when it is not a call (content)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if tool_plan.mode == "named":
+        name, arguments = tool_plan.named, value
+    elif isinstance(value, dict) and value.get("name") in tool_plan.tools and isinstance(value.get("arguments"), dict):
+        name, arguments = value["name"], value["arguments"]
+    else:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]
