@@ -43,6 +43,7 @@ def test_json_and_binary_tensors_decode_to_the_same_arrays():
     (json.dumps({"inputs": [{**IDS, "data": [1] * 4}], "color": 1}).encode(), None, "color"),
     (b"{}", "9", "Inference-Header-Content-Length"),
     (b"{}", "x", "Inference-Header-Content-Length"),
+    (b"{}", "\u00b2", "Inference-Header-Content-Length"),  # a digit to str.isdigit, not to int()
 ])
 def test_bad_requests_name_what_is_wrong(body, length, message):
     with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("(", r"\(")):

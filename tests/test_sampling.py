@@ -142,3 +142,26 @@ def test_special_tokens_are_read_one_way_from_the_engine_files(tmp_path):
     assert special == SpecialTokens(frozenset({2, 3}), 4, "<s>", "<|im_end|>")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))  # overrides config.json's
     assert SpecialTokens.of(tmp_path, tokenizer).eos_ids == {1, 3}
+
+
+class _OnlyTwo:
+    """A grammar that allows tokens 3 and 5 only (the interface runtime/constraints.Constraint has)."""
+
+    def __init__(self):
+        self.consumed = []
+
+    def apply(self, logits):
+        keep = logits[[3, 5]].copy()
+        logits[:] = -np.inf
+        logits[[3, 5]] = keep
+
+    def consume(self, token):
+        self.consumed.append(token)
+
+
+def test_a_constraint_masks_the_choice_and_its_logprobs_stay_finite():
+    grammar = _OnlyTwo()
+    sampler = Sampler(SamplingParams(temperature=0, logprobs=5), 8, grammar)
+    token, logprob, top = sampler.choose(np.arange(8, dtype=np.float32))
+    assert token == 5 and grammar.consumed == [5] and np.isfinite(logprob)
+    assert [t for t, _ in top] == [5, 3] and all(np.isfinite(v) for _, v in top)  # ruled-out tokens are not listed

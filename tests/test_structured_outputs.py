@@ -81,6 +81,12 @@ def test_regex_choice_and_json_object_through_extra_body(client):
     answer = client.chat.completions.create(model=MODEL, temperature=0, extra_body={"guided_choice": ["yes", "no"]},
                                             messages=[{"role": "user", "content": "Is Paris in France?"}])
     assert answer.choices[0].message.content in ("yes", "no") and answer.choices[0].finish_reason == "stop"
+    scored = client.chat.completions.create(model=MODEL, temperature=0, logprobs=True, top_logprobs=5,
+                                            extra_body={"guided_choice": ["yes", "no"]},
+                                            messages=[{"role": "user", "content": "Is Paris in France?"}])
+    first = scored.choices[0].logprobs.content[0]  # only what the grammar allows, finite numbers
+    assert scored.choices[0].message.content == answer.choices[0].message.content
+    assert first.top_logprobs and all(t.logprob > -1e9 for t in first.top_logprobs)
     sampled = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_schema",
                                              "json_schema": {"name": "City", "schema": _strict_schema()}},
                                              temperature=1.0, seed=7, max_tokens=160)

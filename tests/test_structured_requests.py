@@ -28,6 +28,9 @@ def test_requested_grammars(extra, expected):
 def test_completions_take_the_extra_body_forms():
     assert requested(CompletionRequest(model="m", prompt="x", guided_choice=["a"])) == ("choice", ["a"],
                                                                                         "guided_choice")
+    with pytest.raises(BadRequest) as caught:  # an unchecked extra field on completions
+        requested(CompletionRequest(model="m", prompt="x", response_format="json"))
+    assert caught.value.param == "response_format"
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -35,6 +38,8 @@ def test_completions_take_the_extra_body_forms():
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
     ({"structured_outputs": {"json": 3}}, "structured_outputs.json"),
+    ({"guided_json": "[" * 5000}, "guided_json"),  # deeper than json.loads goes
+    ({"response_format": {"type": ["json_object"]}}, "response_format.type"),
     ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
     ({"structured_outputs": {"tag": "x"}}, "structured_outputs.tag"),

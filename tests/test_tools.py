@@ -34,6 +34,8 @@ def test_plans_follow_tool_choice():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["search"]}}},
+     "tool_choice.function.name"),
 ])
 def test_bad_plans_name_the_field(extra, param):
     with pytest.raises(BadRequest) as caught:
@@ -47,6 +49,8 @@ def test_calls_come_from_whole_json_answers_only():
     assert call["function"] == {"name": "search", "arguments": '{"q": "Paris"}'} and call["type"] == "function"
     assert calls_in(auto, "Paris is in France.") is None
     assert calls_in(auto, '{"name": "unknown", "arguments": {}}') is None
+    assert calls_in(auto, '{"name": ["search"], "arguments": {}}') is None  # a model's odd answer is content
+    assert calls_in(auto, "[" * 5000) is None
     named = ToolPlan("named", auto.tools, "search")
     assert json.loads(calls_in(named, '{"q": "x"}')[0]["function"]["arguments"]) == {"q": "x"}
 

@@ -87,9 +87,17 @@ def run(models: list[str], precision: str, backend: str, cfg: ServerConfig, opts
         from ray import serve
     except ImportError:
         raise TrtServeError("--ray needs Ray Serve: pip install 'trtserve[ray]'") from None
-    from trtserve.deploy.engines import repository_folders, split_name
+    from pathlib import Path
 
-    paths = [split_name(m)[1] for m in models] + [str(p) for p in repository_folders(repository)]
+    from trtserve.deploy.engines import repository_folders, split_name
+    from trtserve.engine_dir import MANIFEST
+
+    named = [split_name(m) for m in models] + [(p.name, str(p)) for p in repository_folders(repository)]
+    paths = [path for _, path in named]
+    if all((Path(p) / MANIFEST).is_file() for p in paths):  # names clash here, not in crash-looping replicas
+        from trtserve.server.registry import plan
+
+        plan(cfg, named)
     kinds = [model_kind(p) for p in paths]
     kind = "decoder" if "decoder" in kinds else kinds[0]  # a replica is busy when its decoder is
     ray.init(address=opts.ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)

@@ -102,7 +102,8 @@ class Sampler:
             return token, None, None
         logp = log_softmax(logits)
         top = np.argsort(-logp)[: p.logprobs] if p.logprobs else []
-        return token, float(logp[token]), [(int(t), float(logp[t])) for t in top]
+        # under a grammar, tokens it rules out are -inf: not alternatives, and not JSON numbers
+        return token, float(logp[token]), [(int(t), float(logp[t])) for t in top if np.isfinite(logp[t])]
 
     def _sample(self, logits: np.ndarray) -> int:
         p = self.params

@@ -10,8 +10,10 @@ refuse `infer`: they serve generation on the OpenAI routes. Errors are the proto
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import re
 import zlib
 
 import numpy as np
@@ -24,7 +26,8 @@ PREFIX = "/v2"
 VERSION = "1"
 HEADER_LENGTH = "inference-header-content-length"
 OPEN = {"/v2/health/live", "/v2/health/ready"}  # probes, open like /health
-MAX_OUTPUT_BYTES = 64 * 1024 * 1024  # the tensors one answer may carry
+MAX_OUTPUT_BYTES = 64 * 1024 * 1024  # the tensors one answer may carry as binary data
+MAX_JSON_OUTPUT_BYTES = 4 * 1024 * 1024  # ... and as JSON numbers (about 5x as much text)
 DATATYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
              "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "FP16": "float16",
              "FP32": "float32", "FP64": "float64"}
@@ -70,7 +73,7 @@ def is_v2(path: str) -> bool:
 
 def register(app, state: dict, cfg, metrics) -> None:
     """Add the v2 routes to `app`; `state["registry"]` holds the engines once the server has started."""
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import Response
 
     from trtserve import __version__
     from trtserve.server.app import _unless_disconnected
@@ -136,13 +139,12 @@ def register(app, state: dict, cfg, metrics) -> None:
             raise BadRequest(f"model `{name}` is a decoder engine: it generates text on /v1/completions and "
                              "/v1/chat/completions, and does not serve KServe v2 `infer`")
         wanted = requested_outputs(request)
-        answer = await _unless_disconnected(raw, encoder_infer(service, tensors, [w[0] for w in wanted]), metrics)
+        answer = await _unless_disconnected(raw, encoder_infer(service, tensors, wanted), metrics)
         if isinstance(answer, Response):  # the client went away
             return answer
-        head, blobs = response(name, request.id, answer, wanted)
+        header, blobs = await asyncio.to_thread(_rendered, name, request.id, answer, wanted)  # not on the loop
         if not blobs:
-            return JSONResponse(head)
-        header = json.dumps(head, separators=(",", ":")).encode()
+            return Response(header, media_type="application/json")
         return Response(header + b"".join(blobs), media_type="application/octet-stream",
                         headers={"Inference-Header-Content-Length": str(len(header))})
 
@@ -155,14 +157,15 @@ def register(app, state: dict, cfg, metrics) -> None:
 
 
 def metadata(name: str, service) -> dict:
-    io = service.manifest["io"]
-    platform = "tensorrt_plan" if service.manifest["backend"]["name"] == "tensorrt" else "onnxruntime_onnx"
+    backend = service.manifest.get("backend", {}).get("name")  # track-sharded engines have none of their own
+    platform = "tensorrt_plan" if backend == "tensorrt" else "onnxruntime_onnx"
 
     def described(tensors):
         return [{"name": t["name"], "datatype": V2_NAMES.get(t["dtype"], t["dtype"].upper()),
                  "shape": [d if isinstance(d, int) else -1 for d in t["shape"]]} for t in tensors]
 
     if service.kind == "encoder":
+        io = service.manifest["io"]
         return {"name": name, "versions": [VERSION], "platform": platform,
                 "inputs": described(io["inputs"]), "outputs": described(io["outputs"])}
     return {"name": name, "versions": [VERSION], "platform": platform, "inputs": [], "outputs": [],
@@ -192,7 +195,7 @@ def parse(body: bytes, header_length: str | None) -> tuple[InferRequest, dict[st
     if header_length is None:
         head, rest = body, b""
     else:
-        if not header_length.strip().isdigit() or int(header_length) > len(body):
+        if not re.fullmatch(r"[0-9]{1,12}", header_length.strip()) or int(header_length) > len(body):
             raise BadRequest(f"Inference-Header-Content-Length is {header_length!r}; it must be the byte length "
                              f"of the JSON at the start of the body ({len(body)} bytes)")
         head, rest = body[: int(header_length)], body[int(header_length):]
@@ -307,15 +310,19 @@ def encoder_rows(service, tensors: dict[str, np.ndarray]) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(ids, lengths)]
 
 
-async def encoder_infer(service, tensors: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+async def encoder_infer(service, tensors: dict[str, np.ndarray], wanted: list[tuple[str, bool]]) -> dict:
     from trtserve.runtime.text import WithHidden
 
     rows = encoder_rows(service, tensors)
     batch, length = tensors["input_ids"].shape
-    size = 4 * service.dim * batch * ((length if "last_hidden_state" in outputs else 0) + 1)
-    if size > MAX_OUTPUT_BYTES:
-        raise BadRequest(f"the requested outputs would be {size} bytes; one answer carries at most "
-                         f"{MAX_OUTPUT_BYTES} (ask for fewer rows, or only sentence_embedding)")
+    outputs = [name for name, _ in wanted]
+    sizes = {"sentence_embedding": 4 * service.dim * batch, "last_hidden_state": 4 * service.dim * batch * length}
+    binary = sum(sizes[name] for name, as_binary in wanted if as_binary)
+    as_json = sum(sizes[name] for name, as_binary in wanted if not as_binary)
+    if binary > MAX_OUTPUT_BYTES or as_json > MAX_JSON_OUTPUT_BYTES:
+        raise BadRequest(f"the requested outputs would be {binary} bytes of binary data and {as_json} bytes as JSON; "
+                         f"one answer carries at most {MAX_OUTPUT_BYTES} and {MAX_JSON_OUTPUT_BYTES} (ask for fewer "
+                         "rows, only sentence_embedding, or binary data)")
     hidden = "last_hidden_state" in outputs
     results = await service.encode([WithHidden(r) if hidden else r for r in rows])
     answer = {"sentence_embedding": np.stack([r[0] if hidden else r for r in results]).astype(np.float32)}
@@ -325,6 +332,11 @@ async def encoder_infer(service, tensors: dict[str, np.ndarray], outputs: list[s
             states[i, : len(state)] = state
         answer["last_hidden_state"] = states
     return {name: answer[name] for name in outputs}
+
+
+def _rendered(name: str, request_id: str | None, tensors: dict, wanted: list[tuple[str, bool]]):
+    head, blobs = response(name, request_id, tensors, wanted)
+    return json.dumps(head, separators=(",", ":")).encode(), blobs
 
 
 def response(name: str, request_id: str | None, tensors: dict[str, np.ndarray],

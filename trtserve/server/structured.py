@@ -19,8 +19,10 @@ KIND = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": 
 def requested(request) -> tuple[str, object, str] | None:
     """(grammar kind, value, the field it came from), or None for free text."""
     asked = []
-    response_format = getattr(request, "response_format", None)
+    response_format = getattr(request, "response_format", None)  # on completions: an extra field, unchecked
     if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise BadRequest("response_format must be an object with a `type`", param="response_format")
         kind = response_format.get("type", "text")
         if kind == "json_object":
             asked.append(("json_schema", {"type": "object"}, "response_format"))
@@ -30,7 +32,7 @@ def requested(request) -> tuple[str, object, str] | None:
                 raise BadRequest("response_format.json_schema must be an object with a `schema` object (and a "
                                  "`name`)", param="response_format.json_schema")
             asked.append(("json_schema", spec.get("schema", {}), "response_format.json_schema.schema"))
-        elif kind != "text":
+        elif not isinstance(kind, str) or kind != "text":
             raise BadRequest(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
                              param="response_format.type")
     extra = getattr(request, "structured_outputs", None)
@@ -60,7 +62,7 @@ def _checked(kind: str, value, field: str):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:
                 raise BadRequest(f"{field} is not valid JSON: {exc}", param=field) from None
         if not isinstance(value, (dict, bool)):
             raise BadRequest(f"{field} must be a JSON schema (an object)", param=field)

@@ -31,8 +31,7 @@ def tokenize(service, request: TokenizeCompletionRequest | TokenizeChatRequest) 
         text = request.prompt
     ids = service.tokenizer.encode(text, add_special_tokens=request.add_special_tokens).ids
     strs = [service.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else None
-    limit = service.manifest["shapes"]["sequence"]["max"]
-    return TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids, token_strs=strs)
+    return TokenizeResponse(count=len(ids), max_model_len=service.max_seq, tokens=ids, token_strs=strs)
 
 
 def _rendered(service, request: TokenizeChatRequest) -> str:

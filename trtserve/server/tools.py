@@ -65,7 +65,7 @@ def plan(request) -> ToolPlan | None:
         return ToolPlan("required", functions)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         named = choice["function"].get("name")
-        if named not in functions:
+        if not isinstance(named, str) or named not in functions:
             raise BadRequest(f"tool_choice names {named!r}, which is not among the tools "
                              f"({', '.join(functions)})", param="tool_choice.function.name")
         return ToolPlan("named", functions, named)
@@ -126,7 +126,7 @@ def _history_call(call, where: str) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise BadRequest(f"{where}.function.arguments is not a JSON string", param=f"{where}.function") from None
     return {"name": function["name"], "arguments": arguments}
 
@@ -135,11 +135,12 @@ def calls_in(tool_plan: ToolPlan, text: str) -> list[dict] | None:
     """OpenAI tool_calls from a generated answer, or None when it is not a call (content)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if tool_plan.mode == "named":
         name, arguments = tool_plan.named, value
-    elif isinstance(value, dict) and value.get("name") in tool_plan.tools and isinstance(value.get("arguments"), dict):
+    elif isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] in tool_plan.tools \
+            and isinstance(value.get("arguments"), dict):
         name, arguments = value["name"], value["arguments"]
     else:
         return None
