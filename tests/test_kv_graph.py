@@ -172,3 +172,46 @@ def test_buffers_grow_as_the_longest_sequence_needs_and_keep_every_row(tiny):
     assert grown == 32 and full == CAPACITY
     for a, b in zip(small, big):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _one_by_one(batcher, prompts):
+    out = []
+    for i, p in enumerate(prompts):
+        batcher.add(str(i), p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        tokens = []
+        while batcher.has_work():
+            tokens += [e.token for e in batcher.step()]
+        out.append(tokens)
+    return out
+
+
+def test_prefix_cache_reuses_shared_prefixes_and_gives_the_same_tokens(tiny):
+    from trtserve.runtime.prefix_cache import PrefixCache
+
+    backend = OrtBackend(tiny, threads=1)
+    rng = np.random.default_rng(5)
+    shared = [int(t) for t in rng.integers(0, 96, 37)]
+    prompts = [shared + [int(t) for t in rng.integers(0, 96, n)] for n in (3, 9)] + [shared, shared[:20]]
+    want = _one_by_one(make_batcher(backend, {95}, 2, 4096, max_prefill_tokens=6), prompts)
+    batcher = make_batcher(backend, {95}, 2, 4096, max_prefill_tokens=6)
+    batcher.prefix_cache = cache = PrefixCache(1 << 20, block=8)
+    assert _one_by_one(batcher, prompts) == want  # greedy: the same tokens with and without the cache
+    # 32 of the shared 37 tokens reused by the second prompt and the third (its last token is prefilled),
+    # 16 by the fourth; the first found nothing
+    assert cache.hits == 32 + 32 + 16 and cache.queries == sum(map(len, prompts))
+    assert not batcher.slots.length.any()
+
+
+def test_prefix_cache_stays_within_its_bytes(tiny):
+    from trtserve.runtime.prefix_cache import PrefixCache
+
+    backend = OrtBackend(tiny, threads=1)
+    batcher = make_batcher(backend, {95}, 2, 4096)
+    per_block = sum(b[0, :, :8].nbytes for b in batcher.slots.buffers.values())
+    batcher.prefix_cache = cache = PrefixCache(3 * per_block, block=8)
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(0, 96, 40)] for _ in range(3)]
+    _one_by_one(batcher, prompts)
+    assert cache.size <= 3 * per_block and len(cache.blocks) == 3
+    assert all(parent == -1 or any(b.id == parent for b in cache.blocks.values())
+               for parent, _ in cache.blocks)  # the leaves went first: every kept block's parent is kept

@@ -118,3 +118,20 @@ class KVSlots:
 
     def clear(self, slot: int) -> None:
         self.length[slot] = 0
+
+    def read(self, slot: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        """A copy of `slot`'s cached rows [start, stop): past name -> (Hkv, stop - start, D)."""
+        if not 0 <= start <= stop <= self.length[slot]:
+            raise InputError(f"rows {start}..{stop} are not all cached in slot {slot} ({self.length[slot]} are)")
+        return {name: buffer[slot, :, start:stop].copy() for name, buffer in self.buffers.items()}
+
+    def write(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """Make `rows` (past name -> (Hkv, n, D)) the first n cached rows of an empty `slot`."""
+        n = next(iter(rows.values())).shape[1]
+        if n > self.capacity:
+            raise InputError(f"{n} rows do not fit the cache of {self.capacity}")
+        if n > self.allocated:
+            self._grow(n)
+        for name, buffer in self.buffers.items():
+            buffer[slot, :, :n] = rows[name]
+        self.length[slot] = n

@@ -33,6 +33,7 @@ class SlotBatcher(ContinuousBatcher):
         self.table: list[Sequence] = []  # slot -> its sequence; no holes
         self.d = 0  # slots [0, d) decode, [d, len(table)) are being prefilled
         self.scored: list[np.ndarray] = []  # prompt logits so far of a sequence that asked for them
+        self.prefix_cache = None  # runtime/prefix_cache.PrefixCache, where the worker set one
 
     def decoding(self) -> list[Sequence]:
         return self.table[:self.d]
@@ -60,6 +61,8 @@ class SlotBatcher(ContinuousBatcher):
             for seq in self._admit():
                 seq.length = 0
                 self.slots.clear(len(self.table))
+                if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+                    seq.length = self.prefix_cache.load(self.slots, len(self.table), seq.prompt)
                 self.table.append(seq)
         self.newcomers = self.table[self.d:]
         events = self._prefill_chunk() if self.newcomers else []
@@ -97,6 +100,8 @@ class SlotBatcher(ContinuousBatcher):
                 self.scored.append(logits[row, :counts[row]])
             if s.length == len(s.prompt):
                 done.append((s, logits[row, -1]))
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(self.slots, self.table.index(s), s.prompt)
                 self._swap(self.table.index(s), self.d)  # into the decoding slots
                 self.d += 1
         if not done:

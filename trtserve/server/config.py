@@ -23,6 +23,9 @@ class ServerConfig(Settings):
     max_prefill_tokens: int = Field(256, ge=0, description="decoders: padded prompt tokens prefilled per step, in "
                                     "chunks between decode steps so newcomers do not stall running streams (0: each "
                                     "prefill in one call)")
+    prefix_cache_mib: int = Field(256, ge=0, description="decoders: MiB per worker for the KV rows of prompt "
+                                  "prefixes reused across requests (automatic prefix caching; engines with a decode "
+                                  "graph); 0 turns it off")
     max_n: int = Field(8, ge=1, description="decoders: the largest `n` (choices per request) accepted")
     max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
     max_queue: int = Field(256, ge=1, description="encoders: rows waiting at most; decoders: sequences waiting per "

@@ -244,7 +244,7 @@ class GenerationService(DecoderService):
         self.max_seq = self.manifest["shapes"]["total_sequence"]["max"]
         self.vocab = self.manifest["model"]["architecture"]["vocab_size"]
         options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq),
-                   "max_prefill_tokens": cfg.max_prefill_tokens or None}
+                   "max_prefill_tokens": cfg.max_prefill_tokens or None, "prefix_cache_mib": cfg.prefix_cache_mib}
         self.pool = self.worker_pool(generation=options)
 
     async def start(self) -> None:
@@ -252,6 +252,8 @@ class GenerationService(DecoderService):
         if self.metrics is not None:  # read when /metrics is scraped, so never stale
             self.metrics.running_seqs.set_function(lambda: self._sequences("running"))
             self.metrics.waiting_seqs.set_function(lambda: self._sequences("waiting"))
+            self.metrics.prefix_queries.inc(0)  # on /metrics from the start, at 0 when the cache is off
+            self.metrics.prefix_hits.inc(0)
         await self.probe()
 
     async def stop(self) -> None:

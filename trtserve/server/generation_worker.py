@@ -22,9 +22,11 @@ log = logging.getLogger("trtserve.server")
 _ids = itertools.count()
 
 
-def new_batcher(text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None):
+def new_batcher(text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None,
+                prefix_cache_mib: int = 0):
     """A batcher over `text`'s backend with the sessions it decodes with loaded: a worker builds its
-    first one before it reports ready, so that loading never counts against a step's deadline."""
+    first one before it reports ready, so that loading never counts against a step's deadline. Its
+    grammar constraints and prefix cache are the worker's, kept across batchers."""
     from trtserve.runtime.constraints import Constraints
     from trtserve.runtime.slot_batching import SlotBatcher, make_batcher
 
@@ -33,21 +35,29 @@ def new_batcher(text, max_num_seqs: int, max_batched_tokens: int, max_prefill_to
     if getattr(text, "constraints", None) is None:  # kept across batchers: its grammar tokenizer is costly
         text.constraints = Constraints(text.tokenizer, batcher.vocab, text.eos_ids)
     batcher.constraints = text.constraints
+    if isinstance(batcher, SlotBatcher) and prefix_cache_mib:
+        if getattr(text, "prefix_cache", None) is None:
+            from trtserve.runtime.prefix_cache import PrefixCache
+
+            text.prefix_cache = PrefixCache(prefix_cache_mib * 1024 * 1024)
+        batcher.prefix_cache = text.prefix_cache
     if not isinstance(batcher, SlotBatcher):
         getattr(text.backend, "session", None)  # ONNX Runtime loads its session on first use
     return batcher
 
 
 def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None,
-                    batcher=None) -> None:
+                    prefix_cache_mib: int = 0, batcher=None) -> None:
     """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
     which join the waiting queue together), ("cancel", id), ("stop", None). `batcher`: one already
     built by new_batcher with the same options."""
 
     def fresh():
-        return new_batcher(text, max_num_seqs, max_batched_tokens, max_prefill_tokens)
+        return new_batcher(text, max_num_seqs, max_batched_tokens, max_prefill_tokens, prefix_cache_mib)
 
     batcher = fresh() if batcher is None else batcher
+    cache = getattr(batcher, "prefix_cache", None)
+    reported = (cache.queries, cache.hits) if cache is not None else (0, 0)  # an inline worker's cache outlives a loop
     while True:
         try:
             waiting = not batcher.has_work()
@@ -73,7 +83,10 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
                 events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
                 batcher = fresh()
             # sequences in a chunked prefill count as running: admitted, holding cache rows
-            conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting))))
+            cache = getattr(batcher, "prefix_cache", None)
+            totals = (cache.queries, cache.hits) if cache is not None else reported
+            prefix, reported = (totals[0] - reported[0], totals[1] - reported[1]), totals  # new since the last step
+            conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting), prefix)))
         except (EOFError, OSError):  # the server is gone
             return
 
@@ -88,6 +101,8 @@ class GenerationChannel:
         self.tokens: dict[str, int] = {}  # prompt tokens of every open sequence, for admission
         self.closed = False
         self.running = self.waiting = 0  # as the worker reported after its last step
+        self.on_prefix = None  # called with the prompt tokens the worker looked up in its prefix cache, and found
+        # there, since its last step
         self.progress = time.monotonic()
         self._outbox: queue_module.SimpleQueue = queue_module.SimpleQueue()
         threading.Thread(target=self._write, name="trtserve-generation-writer", daemon=True).start()
@@ -141,12 +156,12 @@ class GenerationChannel:
     def _read(self) -> None:
         while True:
             try:
-                kind, (events, running, waiting) = self.conn.recv()
+                kind, (events, running, waiting, prefix) = self.conn.recv()
             except (EOFError, OSError, TypeError, ValueError):
                 break
             self.progress = time.monotonic()
             try:
-                self.loop.call_soon_threadsafe(self._dispatch, events, running, waiting)
+                self.loop.call_soon_threadsafe(self._dispatch, events, running, waiting, prefix)
             except RuntimeError:  # the server's loop is gone (shutdown)
                 break
         self.closed = True
@@ -157,10 +172,12 @@ class GenerationChannel:
         except RuntimeError:  # the server's loop is gone (shutdown): nobody is waiting
             pass
 
-    def _dispatch(self, events: list[dict], running: int, waiting: int) -> None:
+    def _dispatch(self, events: list[dict], running: int, waiting: int, prefix=(0, 0)) -> None:
         # also after `closed`: a dying worker's last events still reach their streams (_fail_all,
         # which runs after, answers the rest; a hung worker's streams were already failed and dropped)
         self.running, self.waiting = running, waiting
+        if any(prefix) and self.on_prefix is not None:
+            self.on_prefix(*prefix)
         for event in events:
             queue = self.streams.get(event["id"])
             if queue is not None:

@@ -38,6 +38,10 @@ class Metrics:
         self.itl = Histogram("trtserve_inter_token_latency_seconds", "time between two tokens of a sequence",
                              buckets=slow, **engine)
         self.generated_tokens = Counter("trtserve_generated_tokens", "tokens generated", **engine)
+        self.prefix_queries = Counter("trtserve_prefix_cache_queries", "prompt tokens looked up in the workers' "
+                                      "prefix caches", **engine)
+        self.prefix_hits = Counter("trtserve_prefix_cache_hits", "prompt tokens whose KV rows came from a prefix "
+                                   "cache instead of a prefill", **engine)
         self.running_seqs = Gauge("trtserve_running_sequences", "sequences being generated", **engine)
         self.waiting_seqs = Gauge("trtserve_waiting_sequences", "sequences waiting to join the running batch",
                                   **engine)

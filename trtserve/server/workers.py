@@ -77,6 +77,7 @@ class Worker:
                  generation: dict | None = None, deadline: float = 120.0):
         self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
         self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
+        self.on_prefix = None  # decoders: (new prefix-cache queries, hits) as the worker reports them
         self.deadline = deadline  # seconds one call (or one generation step) may take
         self.channel = None  # GenerationChannel of a decoder worker
         self.thread: threading.Thread | None = None  # the generation loop of an in-process decoder worker
@@ -148,6 +149,7 @@ class Worker:
         from trtserve.server.generation_worker import GenerationChannel
 
         self.channel = GenerationChannel(self.conn, self.loop)
+        self.channel.on_prefix = self.on_prefix
 
     @property
     def load_now(self) -> int:
@@ -222,6 +224,9 @@ class WorkerPool:
         self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation, deadline)
                         for i in range(count)]
         self.metrics = metrics
+        if metrics is not None and generation is not None:
+            for w in self.workers:
+                w.on_prefix = self._count_prefix
         self._supervisor: asyncio.Task | None = None
         self._restarting: set[asyncio.Task] = set()
 
@@ -322,6 +327,10 @@ class WorkerPool:
             task = asyncio.get_running_loop().create_task(self._restart(w))
             self._restarting.add(task)
             task.add_done_callback(self._restarting.discard)
+
+    def _count_prefix(self, queries: int, hits: int) -> None:
+        self.metrics.prefix_queries.inc(max(queries, 0))
+        self.metrics.prefix_hits.inc(max(hits, 0))
 
     def _count_restart(self) -> None:
         if self.metrics is not None:
