@@ -131,7 +131,9 @@ def _worker(conn, spec, rank: int, world: int, port: int, threads: int) -> None:
 class ShardedDecoder:
     """`world` worker processes each holding its part of `spec` (EngineShards, or an engine dir's path)."""
 
-    def __init__(self, spec, world: int, threads: int = 1, timeout: float = 300):
+    def __init__(self, spec, world: int, threads: int = 1, timeout: float = 300, start_timeout: float = 300):
+        """`timeout`: seconds each call may take; `start_timeout`: seconds the ranks may take to load (importing
+        torch and opening their sessions is not a step and must not count against a step's deadline)."""
         if isinstance(spec, (str, Path)):
             spec = EngineShards(str(spec))
         spec.check(world)
@@ -146,12 +148,13 @@ class ShardedDecoder:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.pids = [self._receive(rank)[1] for rank in range(world)]
+        self.pids = [self._receive(rank, start_timeout)[1] for rank in range(world)]
 
-    def _receive(self, rank: int):
-        if not self.conns[rank].poll(self.timeout):
+    def _receive(self, rank: int, timeout: float | None = None):
+        timeout = self.timeout if timeout is None else timeout
+        if not self.conns[rank].poll(timeout):
             self.kill()  # hung or stopped: waiting for a polite exit would only add to the delay
-            raise TrtServeError(f"sharded worker {rank} did not answer in {self.timeout:g} s")
+            raise TrtServeError(f"sharded worker {rank} did not answer in {timeout:g} s")
         try:
             message = self.conns[rank].recv()
         except (EOFError, OSError):

@@ -68,9 +68,10 @@ class TrackGenerationService(DecoderService):
 
     def _start_decoder(self):
         from trtserve.runtime.sharded import EngineShards, ShardedDecoder
+        from trtserve.server.workers import LOAD_TIMEOUT
 
         return ShardedDecoder(EngineShards(str(self.engine.path)), self.tracks, self.cfg.threads or 1,
-                              timeout=self.cfg.worker_timeout)
+                              timeout=self.cfg.worker_timeout, start_timeout=LOAD_TIMEOUT)
 
     async def start(self) -> None:
         self.decoder = await asyncio.to_thread(self._start_decoder)
