@@ -252,8 +252,6 @@ class GenerationService(DecoderService):
         if self.metrics is not None:  # read when /metrics is scraped, so never stale
             self.metrics.running_seqs.set_function(lambda: self._sequences("running"))
             self.metrics.waiting_seqs.set_function(lambda: self._sequences("waiting"))
-            self.metrics.prefix_queries.inc(0)  # on /metrics from the start, at 0 when the cache is off
-            self.metrics.prefix_hits.inc(0)
         await self.probe()
 
     async def stop(self) -> None:

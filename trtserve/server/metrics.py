@@ -49,7 +49,12 @@ class Metrics:
                                  ["route"], buckets=fast, registry=self.registry)
 
     def of(self, model: str) -> "ModelMetrics":
-        return ModelMetrics(self, model)
+        """`model`'s series, every one on /metrics from now on (at 0), as unlabelled ones would be."""
+        view = ModelMetrics(self, model)
+        for name, metric in vars(self).items():
+            if name not in SERVER_WIDE:
+                metric.labels(model=model)
+        return view
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
