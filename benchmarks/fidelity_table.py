@@ -26,7 +26,7 @@ def rows(engine: Path):
 
 
 def main() -> None:
-    print("| model | policy | run | tokens | cosine | worst-token cosine | NaN/Inf | top-1 | ppl delta |")
+    print("| model | policy | run | shape (tokens) | cosine | worst-token cosine | NaN/Inf | top-1 | ppl delta |")
     print("|---|---|---|---|---|---|---|---|---|")
     for engine in map(Path, sys.argv[1:]):
         for model, policy, run, length, cos, worst, bad, top1, ppl in rows(engine):

@@ -187,7 +187,7 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
             harness.engine = engine_dir.EngineDir(tmp, manifest)
             short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH]
             with step(f"screening int8 activations in {plan.label}"):
-                screen = harness.run(decode=False, lengths=short)
+                screen = harness.run(decode=False, lengths=short, wide=False)
             if not screen["passed"]:
                 tried.append({"plan": plan.label, "fidelity": screen_summary(screen, short, harness.corpus.name)})
                 say(f"int8 activations in {plan.label} miss the target: {tried[-1]['fidelity']}")

@@ -25,11 +25,12 @@ class Ranges:
 
 def activation_ranges(model, feeds_list) -> Ranges:
     """Run the fp32 graph with every float intermediate exposed; keep each tensor's |max|."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    model = onnx.shape_inference.infer_shapes(model)
+    from trtserve.precision.passes import infer_shapes
+
+    model = infer_shapes(model)
     graph = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in list(graph.value_info) + list(graph.output)}
     inits = {i.name: i for i in graph.initializer}

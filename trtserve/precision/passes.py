@@ -173,11 +173,37 @@ def _attention_mask(index: _Graph) -> list[set[str]]:
     return [chain]
 
 
-def plan_policy(model, policy: Policy):
-    """Decide every node's precision. Returns (model with types inferred, index, low, home, report)."""
+LIGHT_BYTES = 1 << 16  # initializers larger than this are set aside during shape inference
+
+
+def infer_shapes(model, data_prop: bool = False, in_place: bool = False):
+    """onnx shape inference on a copy of `model` (on `model` itself with `in_place`), without passing its
+    large weights through protobuf serialization (twice per call, seconds for a 500 MB graph): only
+    their types and dims matter, so inference runs on a copy whose large initializers hold no bytes."""
     import onnx
 
-    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    if in_place:  # types from before a rewrite must not constrain the new inference
+        del model.graph.value_info[:]
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    for tensor in skeleton.graph.initializer:
+        if tensor.ByteSize() > LIGHT_BYTES and tensor.HasField("raw_data"):
+            tensor.ClearField("raw_data")
+    inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=data_prop)
+    del skeleton
+    out = model if in_place else onnx.ModelProto()
+    if not in_place:
+        out.CopyFrom(model)
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(inferred.graph.value_info)
+    del out.graph.output[:]
+    out.graph.output.extend(inferred.graph.output)
+    return out
+
+
+def plan_policy(model, policy: Policy):
+    """Decide every node's precision. Returns (model with types inferred, index, low, home, report)."""
+    model = infer_shapes(model, data_prop=True)
     name_nodes(model.graph)
     report = PassReport()
     index = _Graph(model)
@@ -193,14 +219,11 @@ def plan_policy(model, policy: Policy):
 
 def apply_policy(model, policy: Policy):
     """Return (mixed model, PassReport): fp16 initializers and Casts. The input is not modified."""
-    import onnx
-
     model, index, low, home, report = plan_policy(model, policy)
     if policy.name == "fp32":
         return model, report
     _rewrite(model, index, low, home, report)
-    del model.graph.value_info[:]
-    return onnx.shape_inference.infer_shapes(model), report
+    return infer_shapes(model, in_place=True), report
 
 
 def emulation_model(model, policy: Policy):
@@ -211,13 +234,10 @@ def emulation_model(model, policy: Policy):
     graph reproduces per-op fp16 rounding and overflow (to inf) with fp32 accumulation inside
     GEMMs and reductions, as fp16 kernels on a GPU do.
     """
-    import onnx
-
     model, index, low, home, _ = plan_policy(model, policy)
     if policy.name != "fp32":
         _rewrite_emulated(model, index, low, home)
-    del model.graph.value_info[:]
-    return onnx.shape_inference.infer_shapes(model)
+    return infer_shapes(model, in_place=True)
 
 
 def _decide(index: _Graph, policy: Policy, protected: set, report: PassReport) -> dict[str, bool]:

@@ -34,8 +34,9 @@ class Harness:
         self.reference = load_torch_model(source, attention="eager")
         self.tokenizer = load_hf_tokenizer(source.path)
 
-    def run(self, graph=None, decode: bool = True, lengths=None) -> dict:
-        """Measure the engine's own graph, or `graph` (an emulation model) in its place."""
+    def run(self, graph=None, decode: bool = True, lengths=None, wide: bool = True) -> dict:
+        """Measure the engine's own graph, or `graph` (an emulation model) in its place. `wide`: also the
+        random-id and batch-8 shapes (`measure.wide_shapes`), not only the real-text cases."""
         from trtserve.precision.measure import failures
         from trtserve.runtime.ort import OrtBackend
 
@@ -47,7 +48,7 @@ class Harness:
                 path = Path(scratch) / "emulation.onnx"
                 onnx.save(graph, str(path))
             backend = OrtBackend(self.engine, graph=path)
-            kwargs = {} if self.kind == "encoder" else {"decode": decode}
+            kwargs = {"wide": wide} if self.kind == "encoder" else {"decode": decode, "wide": wide}
             report = self.report_fn(backend, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
                                     **kwargs)
             backend.close()
@@ -55,10 +56,10 @@ class Harness:
         report["passed"] = not report["failures"]
         return report
 
-    def emulated(self, fp32_model, policy, decode: bool = True, lengths=None) -> dict:
+    def emulated(self, fp32_model, policy, decode: bool = True, lengths=None, wide: bool = True) -> dict:
         from trtserve.precision.passes import emulation_model
 
-        return self.run(emulation_model(fp32_model, policy), decode=decode, lengths=lengths)
+        return self.run(emulation_model(fp32_model, policy), decode=decode, lengths=lengths, wide=wide)
 
 
 def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, harness=None) -> dict:
@@ -91,15 +92,21 @@ def _nan_min(values) -> float:
 
 
 def worst(report: dict) -> dict:
-    """The worst value of each metric over all lengths (and decode steps)."""
+    """The worst value of each metric over all real-text lengths (and decode steps); over the random-id
+    shapes apart (`random_cosine`, `random_token_cosine`), where the report has them."""
     cases = list(report["cases"].values()) + ([report["decode"]] if "decode" in report else [])
-    tensors = [v for case in cases for v in case.values() if isinstance(v, dict) and "cosine" in v]
+    tensors = {kind: [v for case in cases if (case.get("input") == "random") == (kind == "random")
+                      for v in case.values() if isinstance(v, dict) and "cosine" in v] for kind in ("real", "random")}
+    every = tensors["real"] + tensors["random"]
     out = {
-        "cosine": _nan_min(t["cosine"] for t in tensors),
-        "token_cosine": _nan_min(t["worst_row_cosine"] for t in tensors),
-        "max_abs_error": -_nan_min(-t["max_abs_error"] for t in tensors),
-        "nonfinite": sum(t["nonfinite"] for t in tensors),
+        "cosine": _nan_min(t["cosine"] for t in tensors["real"]),
+        "token_cosine": _nan_min(t["worst_row_cosine"] for t in tensors["real"]),
+        "max_abs_error": -_nan_min(-t["max_abs_error"] for t in every),
+        "nonfinite": sum(t["nonfinite"] for t in every),
     }
+    if tensors["random"]:
+        out["random_cosine"] = _nan_min(t["cosine"] for t in tensors["random"])
+        out["random_token_cosine"] = _nan_min(t["worst_row_cosine"] for t in tensors["random"])
     if any("top1_agreement" in case for case in cases):
         out["top1"] = _nan_min(case["top1_agreement"] for case in cases if "top1_agreement" in case)
         out["ppl_delta"] = -_nan_min(-case["perplexity_rel_delta"] for case in cases if "perplexity_rel_delta" in case)
@@ -116,6 +123,8 @@ def summary(fidelity: dict) -> str:
                 f"max abs {w['max_abs_error']:.2e}, NaN/Inf {w['nonfinite']}")
         if "top1" in w:
             text += f", top-1 {w['top1']:.2%}, ppl delta {w['ppl_delta']:.2e}"
+        if "random_cosine" in w:
+            text += f"; random ids: cos {w['random_cosine']:.6f}, worst-token cos {w['random_token_cosine']:.6f}"
         sentences = fidelity[name].get("sentences")
         if sentences:
             text += (f"; {sentences['data'].split(' (')[0]}: mean cos {sentences['mean_cosine']:.6f}, worst "

@@ -104,19 +104,24 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         spec = next(v for v in fp32_model.graph.input if v.name.startswith("past_key_values."))
         dims = spec.type.tensor_type.shape.dim
         past = (dims[1].dim_value, dims[3].dim_value)
-    feeds = [probe_feeds(info_kind, rows[i: i + 2], names, past) for i in (0, 2)]
+    vocab = harness.engine.manifest["model"]["architecture"]["vocab_size"]
+    noise = np.random.default_rng(0).integers(1000 if vocab > 2000 else 0, vocab, size=(2, length))
+    # calibrated on real text and on random ids: random ids reach activations real text does not
+    feeds = [probe_feeds(info_kind, batch, names, past) for batch in (rows[0:2], rows[2:4], noise)]
     ranges = activation_ranges(fp32_model, feeds)
     flags = {f["node"]: f["absmax"] for f in flagged(ranges, fp32_model, get_policy("fp16"))}
     units = candidate_units(fp32_model, ranges, flags)
-    say(f"auto: {len(flags)} nodes overflow fp16 on calibration text; {len(units)} candidate units ranked")
-    # Bisect on the shorter lengths (fast), then confirm on all of them; if the long ones miss,
-    # bisect again above the prefix found, on every length.
+    say(f"auto: {len(flags)} nodes overflow fp16 on calibration text and random ids; {len(units)} candidate units ranked")
+    # Bisect on real text at the shorter lengths (fast), then confirm on every length and the wide shapes
+    # (random ids, batch 8, padded rows); if that misses, bisect again above the prefix found, on all of them.
     short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH] or harness.lengths[:1]
-    policy, log, k = auto_policy(
-        fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False, lengths=short)["passed"])
-    if short != harness.lengths and not harness.emulated(fp32_model, policy, decode=False)["passed"]:
-        say(f"auto: {k} units meet the target up to {max(short)} tokens but not at {max(harness.lengths)}; "
-            "searching again on every length")
+    policy, log, k = auto_policy(fp32_model, units, lambda p: harness.emulated(
+        fp32_model, p, decode=False, lengths=short, wide=False)["passed"])
+    confirm = harness.emulated(fp32_model, policy, decode=False)
+    missed = confirm["failures"]
+    if missed:
+        say(f"auto: {k} units meet the target on real text up to {max(short)} tokens but miss {len(missed)} checks "
+            f"on every length and shape (e.g. {missed[0]}); searching again on all of them")
         policy, more, k = auto_policy(
             fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False)["passed"], start=k)
         log += more
@@ -126,5 +131,6 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         "candidate_units": len(units),
         "units_kept_fp32": [u.label for u in units[:k]],
         "evaluations": log,
+        "confirmation_missed": missed,  # what the first prefix missed beyond the search's own cases
     }
     return policy, record
