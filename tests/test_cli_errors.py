@@ -52,6 +52,16 @@ def test_max_seq_above_position_limit(minilm_dir, tmp_path):
     assert "use --max-seq 512 or less" in result.stderr
 
 
+@pytest.mark.parametrize("grid, message", [
+    ("nope", "--confirm-grid nope: no preset 'nope': choose one of"),
+    ("missing.toml", "--confirm-grid missing.toml: --grid missing.toml does not exist"),
+    ("quick", "--confirm-grid quick: the grid has no shape for SmolLM2-135M-Instruct")])
+def test_a_bad_confirm_grid_fails_before_the_export(tmp_path, grid, message):
+    result = run_cli("build-engine", "SmolLM2-135M-Instruct", "--out", str(tmp_path / "out"), "--confirm-grid", grid)
+    assert_clean_failure(result, tmp_path, message)
+    assert "export" not in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_out_is_a_file(tmp_path):
     (tmp_path / "out").write_text("not a dir")
     result = run_cli("build-engine", "all-MiniLM-L6-v2", "--out", str(tmp_path / "out"))

@@ -81,6 +81,13 @@ def test_quick_run_report_is_internally_consistent(quick_run):
             assert r["fidelity"]["cosine"] > 0.99999 and r["fidelity"]["nonfinite"] == 0
         else:
             assert r["fidelity"]["worst_row_cosine"] > 0.999
+        if r["backend"] != "torch":  # each row judged by its engine's own target: MiniLM meets it everywhere
+            assert r["target_misses"] == []
+    built = json.loads((quick_run / "engines.json").read_text())
+    assert set(built) == {"all-MiniLM-L6-v2/fp32", "all-MiniLM-L6-v2/hybrid"}
+    assert built["all-MiniLM-L6-v2/hybrid"]["passed"] and set(built["all-MiniLM-L6-v2/hybrid"]["runs"]) == {
+        "onnxruntime", "fp16_emulation"}
+    assert built["all-MiniLM-L6-v2/hybrid"]["sentences"]["onnxruntime"]["neighbours"] >= 0.95
     sizes = {(r["backend"], r["precision"]): r["engine_bytes"] for r in rows}
     assert sizes[("onnxruntime", "hybrid")] < 0.6 * sizes[("onnxruntime", "fp32")]
     down = json.loads((quick_run / "downstream.json").read_text())
@@ -89,6 +96,8 @@ def test_quick_run_report_is_internally_consistent(quick_run):
     assert set(down["accuracy"]) == {"torch/fp32", "onnxruntime/fp32", "onnxruntime/hybrid", "fp16-emulation/hybrid"}
     report = (quick_run / "report.md").read_text()
     assert "## Speedup over torch fp32" in report and "fp16-emulation/hybrid" in report
+    assert "| all-MiniLM-L6-v2/fp16-emulation/hybrid | 8 | 0 |" in report  # 8 shapes, none missing its target
+    assert "## Build-time fidelity" in report and "| all-MiniLM-L6-v2/hybrid | fp16_emulation | yes |" in report
     for plot in ("latency", "speedup", "fidelity", "memory"):
         assert (quick_run / f"{plot}-all-MiniLM-L6-v2.png").read_bytes()[:4] == b"\x89PNG"
 

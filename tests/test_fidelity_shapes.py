@@ -132,3 +132,28 @@ def test_light_shape_inference_equals_onnx_and_keeps_the_weights():
     stale.graph.value_info[0].type.tensor_type.elem_type = TensorProto.DOUBLE  # left over from before a rewrite
     assert infer_shapes(stale, in_place=True) is stale
     assert stale.SerializeToString() == expected.SerializeToString()
+
+
+def test_a_confirm_grid_gives_the_evaluation_shapes_within_the_engine_range(tmp_path):
+    from trtserve.cli import _confirm_grid
+    from trtserve.errors import TrtServeError
+    from trtserve.precision.measure import _grid_rows, grid_shapes
+
+    shapes, seed = _confirm_grid("quick")
+    assert grid_shapes("quick", shapes, seed, "all-MiniLM-L6-v2", 32, 512) == [
+        ("quick", kind, b, s, 0) for kind in ("random", "real") for b in (1, 4) for s in (32, 64)]
+    assert grid_shapes("quick", shapes, seed, "all-MiniLM-L6-v2", 2, 40) == [("quick", "random", 1, 32, 0),
+                                                                            ("quick", "real", 1, 32, 0)]
+    with pytest.raises(TrtServeError, match="no shape for SmolLM2-135M-Instruct"):
+        grid_shapes("quick", shapes, seed, "SmolLM2-135M-Instruct", 32, 2048)
+    grid = tmp_path / "one.toml"
+    grid.write_text('models = ["m"]\nbackends = ["fp16-emulation"]\nprecisions = ["auto"]\nbatch = [8]\n'
+                    'sequence = [64]\ninputs = ["random"]\nseed = 3\n')
+    shapes, seed = _confirm_grid(str(grid))
+    assert grid_shapes(str(grid), shapes, seed, "m", 32, 128) == [("one", "random", 8, 64, 3)]
+    with pytest.raises(TrtServeError, match="--confirm-grid nope: no preset 'nope'"):
+        _confirm_grid("nope")
+    backend = SimpleNamespace(engine=SimpleNamespace(manifest={"model": {"architecture": {"vocab_size": 49152}}}))
+    ids, mask = _grid_rows(backend, "random", 8, 64, 0)
+    expected = np.random.default_rng([0, 8, 64]).integers(1000, 49152, size=(8, 64))  # as `trtserve eval` feeds
+    assert np.array_equal(ids, expected) and mask.all()

@@ -49,3 +49,33 @@ def test_auto_keeps_the_overflowing_norm_fp32_and_meets_the_target():
     assert not log[0]["passed"]  # plain fp16 misses the target
     assert passes(policy) and 0 < k < len(units)
     assert units[0].nodes <= policy.fp32_nodes
+
+
+def test_gemms_join_the_candidates_when_every_other_unit_fp32_still_misses():
+    import pytest
+
+    from trtserve.precision.search import gemm_units
+
+    model, feeds = block_graph(), block_feeds(scale=300.0)
+    ranges = activation_ranges(model, [feeds])
+    flags = {f["node"]: f["absmax"] for f in flagged(ranges, model, get_policy("fp16"))}
+    units = candidate_units(model, ranges, flags)
+    gemm_names = {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")} - policy_of(units)
+    assert gemm_names  # GEMMs outside patterns that do not overflow stay fp16: not candidates
+    needs = sorted(gemm_names)[0]  # a shape that only this GEMM in fp32 passes
+
+    def passes(policy):
+        return needs in policy.fp32_nodes
+
+    with pytest.raises(RuntimeError, match="every candidate"):
+        auto_policy(model, units, passes)
+    gemms = gemm_units(model, ranges, units)
+    assert {u.label.split(":", 1)[1] for u in gemms} == gemm_names
+    assert [u.peak for u in gemms] == sorted((u.peak for u in gemms), reverse=True)
+    policy, log, k = auto_policy(model, units + gemms, passes, start=len(units))
+    assert needs in policy.fp32_nodes and len(units) < k <= len(units) + len(gemms)
+    assert log[0] == {"units_fp32": len(units) + len(gemms), "nodes_fp32": len(policy_of(units + gemms)), "passed": True}
+
+
+def policy_of(units):
+    return frozenset().union(*(u.nodes for u in units))

@@ -31,6 +31,10 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="override targets, e.g. cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005")
     parser.add_argument("--allow-low-fidelity", action="store_true",
                         help="write the engine even if it misses the fidelity target")
+    parser.add_argument("--confirm-grid", default=None, metavar="PRESET|FILE",
+                        help="also hold the engine to its target on every shape of an evaluation grid (a preset "
+                        "such as paper, or a grid TOML file) for this model, with the token ids `trtserve eval` "
+                        "feeds; auto searches again if a shape misses")
     parser.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
                         help="engine backend; auto says which it picked and why (tensorrt where TensorRT and a "
                         "GPU are found). tensorrt adds a TensorRT plan beside the ONNX Runtime graph")
@@ -77,14 +81,28 @@ def _cmd_build(args: argparse.Namespace) -> int:
         print(f"parity vs torch fp32 (all tracks in one process): max abs error "
               f"{engine.manifest['parity']['max_abs_error']:.2e}")
         return 0
+    shapes, seed = _confirm_grid(args.confirm_grid) if args.confirm_grid else ((), 0)
     cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
                       max_batch=args.max_batch, max_seq=args.max_seq, calibration=args.calibration,
                       fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity,
+                      confirm_grid=args.confirm_grid, confirm_shapes=shapes, confirm_seed=seed,
                       trt=_trt_options(args))
     engine = build_engine(cfg)
     print(f"engine written to {engine.path}")
     print(f"fidelity vs torch fp32 ({engine.manifest['precision']['policy']}): {summary(engine.manifest['fidelity'])}")
     return 0
+
+
+def _confirm_grid(grid: str) -> tuple[tuple, int]:
+    """The (model, input, batch, length) shapes of an evaluation preset or grid file, and its seed."""
+    from trtserve.eval.grid import load_grid
+
+    try:
+        path = Path(grid)
+        loaded = load_grid(path=path) if grid.endswith(".toml") or path.is_file() else load_grid(preset=grid)
+    except TrtServeError as exc:
+        raise TrtServeError(f"--confirm-grid {grid}: {exc}") from None
+    return tuple(sorted({(c.model, c.input, c.batch, c.sequence) for c in loaded.configs()})), loaded.seed
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -35,6 +35,9 @@ class BuildConfig:
     calibration: Path | None = None  # text file for fidelity; None: the bundled Wikipedia sample
     fidelity_target: Target | None = None  # None: Target.parity() for fp32, Target() otherwise
     allow_low_fidelity: bool = False
+    confirm_grid: str | None = None  # the name of an evaluation preset or grid file whose shapes the gate adds
+    confirm_shapes: tuple = ()  # its (model, input, batch, length) shapes, and the seed of its random ids
+    confirm_seed: int = 0
     trt: TrtOptions = field(default_factory=TrtOptions)  # used when the backend is tensorrt
 
 
@@ -64,9 +67,15 @@ def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
         raise TrtServeError(f"--precision gguf reads a GGUF checkpoint's own blocks, and {source.model_id} was not "
                             "converted from a .gguf file; give the .gguf file, or choose another --precision")
     max_seq = _max_seq(cfg, source)
+    grid = None
+    if cfg.confirm_grid:  # checked before the long export: a bad grid is a quick, clear error
+        from trtserve.precision.measure import grid_shapes
+
+        grid = grid_shapes(cfg.confirm_grid, cfg.confirm_shapes, cfg.confirm_seed, source.model_id, cfg.max_batch,
+                           max_seq)
     started = time.time()
     with atomic_dir(cfg.out) as tmp:
-        manifest = _build_into(tmp, cfg, source, max_seq, backend, why)
+        manifest = _build_into(tmp, cfg, source, max_seq, backend, why, grid)
         manifest["build_seconds"] = round(time.time() - started, 1)
         engine_dir.seal(tmp, manifest)
     return engine_dir.open_engine_dir(cfg.out, verify=False)
@@ -86,7 +95,8 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
     return cfg.max_seq
 
 
-def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str) -> dict:
+def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str,
+                grid=None) -> dict:
     from trtserve.engine_builder.onnxruntime import OPTIMIZED, resident_mb
     from trtserve.precision.run import Harness
 
@@ -111,6 +121,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32"
                                      else Target.for_weights(policy.weights, source.info.kind))
     harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
+    harness.grid_shapes = grid or []
     search_record = None
     if policy.name == "auto":
         import onnx
@@ -387,4 +398,6 @@ def _rebuild_command(cfg: BuildConfig) -> str:
         parts += ["--calibration", str(cfg.calibration)]
     if cfg.allow_low_fidelity:
         parts.append("--allow-low-fidelity")
+    if cfg.confirm_grid:
+        parts += ["--confirm-grid", cfg.confirm_grid]
     return " ".join(parts)

@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from trtserve.errors import TrtServeError
-from trtserve.eval.runner import RESULTS
+from trtserve.eval.runner import ENGINES, RESULTS
 
 REPORT = "report.md"
 
@@ -105,6 +105,39 @@ def summary(rows: list[dict]) -> dict:
             "memory": memory, "not_run": not_run}
 
 
+def _target_lines(rows: list[dict]) -> list[str]:
+    """Per model, backend and policy: the rows that miss the fidelity target their engine was built to."""
+    judged = [r for r in rows if r.get("status") == "ok" and "target_misses" in r]
+    if not judged:
+        return []
+    lines = ["", "## Every shape against the engine's own target", "",
+             "Each row's fidelity (on the sampled positions) judged by the target its engine's build gate used; "
+             "random ids by their own cosine bound, top-1 on real text only.", "",
+             "| model / backend / policy | shapes | missing the target | first miss |", "|---|---|---|---|"]
+    for (m, b, p), g in _groups(judged, "model", "backend", "precision").items():
+        missed = [r for r in g if r["target_misses"]]
+        first = missed[0]["target_misses"][0] if missed else ""
+        lines.append(f"| {m}/{b}/{p} | {len(g)} | {len(missed)} | {first} |")
+    return lines
+
+
+def _engine_lines(built: dict) -> list[str]:
+    """The engines' build-time fidelity: what each gate measured, worst over its shapes."""
+    lines = ["", "## Build-time fidelity (each engine's gate, worst over its shapes)", "",
+             "| model / policy | run | passed | worst-token cos, real | worst-token cos, random | top-1 | ppl delta | "
+             "sentence cos, mean | top-10 neighbours | sentiment flips |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    for key, entry in built.items():
+        for run, w in entry["runs"].items():
+            sentences = entry["sentences"].get(run, {})
+            flips = sentences.get("sentiment_flips")
+            lines.append(f"| {key} | {run} | {'yes' if entry['passed'] else 'no'} | {w['token_cosine']:.6f} | "
+                         f"{fmt(w.get('random_token_cosine'), '.6f')} | {fmt(w.get('top1'), '.2%')} | "
+                         f"{fmt(w.get('ppl_delta'), '.2e')} | {fmt(sentences.get('mean_cosine'), '.6f')} | "
+                         f"{fmt(sentences.get('neighbours'), '.1%')} | {'' if flips is None else flips} |")
+    return lines
+
+
 def write_report(out: Path) -> Path:
     out = Path(out)
     rows = with_speedup(load_rows(out))
@@ -146,6 +179,11 @@ def write_report(out: Path) -> Path:
               "|---|---|---|---|---|"]
     lines += [f"| {k} | {v['loaded_mb']:.0f} MB | {v['median_working_mb']:.0f} MB | {v['max_working_mb']:.0f} MB | "
               f"{v['engine_mb']:.1f} MB |" for k, v in facts["memory"].items()]
+    lines += _target_lines(rows)
+    if (out / ENGINES).is_file():
+        built = json.loads((out / ENGINES).read_text())
+        facts["engines"] = built
+        lines += _engine_lines(built)
     if (out / "downstream.json").is_file():
         down = json.loads((out / "downstream.json").read_text())
         facts["downstream"] = down

@@ -19,6 +19,7 @@ from trtserve.eval.grid import Config, Grid
 from trtserve.progress import say
 
 RESULTS = "results.jsonl"
+ENGINES = "engines.json"  # each engine's build-time fidelity (its gate), written at the end of a run
 
 
 class Progress:
@@ -84,6 +85,8 @@ def run_grid(grid: Grid, out: Path, resume: bool = False) -> Path:
             sink.flush()
             progress.tick(config.key)
     session.downstream()
+    built = {f"{model}/{precision}": engine_fidelity(engine) for (model, precision), engine in session.engines.items()}
+    (out / ENGINES).write_text(json.dumps(built, indent=1))
     session.close()
     return out / RESULTS
 
@@ -148,6 +151,8 @@ class _Session:
         reference = self._reference(config, feeds) if "torch" in self.grid.backends else None
         if reference is not None:
             row["fidelity"] = _fidelity(reference, output, engine.manifest["model"]["kind"])
+            if config.backend != "torch":
+                row["target_misses"] = _target_misses(row["fidelity"], config, engine.manifest)
         return row
 
     def _reference(self, config: Config, feeds: dict) -> np.ndarray:
@@ -244,15 +249,10 @@ class _Session:
         return OrtBackend(engine, graph=graph)
 
     def _feeds(self, config: Config, backend) -> dict:
+        from trtserve.precision.measure import grid_ids
         from trtserve.runtime.generate import logit_feed, start
 
-        rng = np.random.default_rng([self.grid.seed, config.batch, config.sequence])
-        vocab = backend.engine.manifest["model"]["architecture"]["vocab_size"]
-        if config.input == "random":
-            ids = rng.integers(1000 if vocab > 2000 else 0, vocab, size=(config.batch, config.sequence))
-        else:
-            ids = _real_ids(backend.engine, config.batch, config.sequence)
-        ids = ids.astype(np.int64)
+        ids = grid_ids(backend.engine, config.input, config.batch, config.sequence, self.grid.seed)
         mask = np.ones_like(ids)
         names = {spec.name for spec in backend.inputs}
         feeds = {"input_ids": ids, "attention_mask": mask}
@@ -263,19 +263,6 @@ class _Session:
             feeds.update(logit_feed(backend, config.sequence, last_only=False))  # fidelity is on every position
             feeds.update(start(backend, config.batch).past)
         return feeds
-
-
-def _real_ids(engine, batch: int, sequence: int) -> np.ndarray:
-    """Rows of `sequence` consecutive tokens of Wikipedia text, a different passage per row."""
-    from trtserve.data.corpus import wiki_text
-    from trtserve.runtime.text import load_tokenizer
-
-    tokenizer = load_tokenizer(engine.path)
-    rows = []
-    for i in range(batch):
-        ids = tokenizer.encode(wiki_text(2 * sequence, 10 * i), add_special_tokens=False).ids
-        rows.append(ids[:sequence])
-    return np.array(rows)
 
 
 def _output_name(backend) -> str:
@@ -317,6 +304,29 @@ def _fidelity(reference: np.ndarray, output: np.ndarray, kind: str) -> dict:
     if kind == "decoder":
         result["top1"] = top1_agreement(reference, output)
     return result
+
+
+def _target_misses(fidelity: dict, config: Config, manifest: dict) -> list[str]:
+    """How this row misses the fidelity target its engine was built to (`precision.measure.failures`; random
+    ids judged by their own bounds, top-1 on real text only; on the sampled positions of `_sampled`)."""
+    from trtserve.precision.measure import Target, failures
+
+    tensor = {k: fidelity[k] for k in ("cosine", "worst_row_cosine", "max_abs_error", "nonfinite")}
+    case = {"input": config.input, "output": tensor}
+    if "top1" in fidelity and config.input == "real":
+        case["top1_agreement"] = fidelity["top1"]
+    return failures({"cases": {config.key: case}}, Target(**manifest["fidelity"]["target"]))
+
+
+def engine_fidelity(engine) -> dict:
+    """What the engine's build measured (its gate): the worst of each metric per run, and the sentences."""
+    from trtserve.precision.run import worst
+
+    fidelity = engine.manifest["fidelity"]
+    runs = {name: worst(fidelity[name]) for name in ("onnxruntime", "fp16_emulation") if name in fidelity}
+    sentences = {name: fidelity[name]["sentences"] for name in runs if fidelity[name].get("sentences")}
+    return {"passed": fidelity["passed"], "failures": fidelity["failures"], "lengths": fidelity["lengths"],
+            "target": fidelity["target"], "runs": runs, "sentences": sentences}
 
 
 def _reset_peak_rss() -> None:

@@ -152,7 +152,45 @@ def _label(kind: str, batch: int, length: int) -> str:
     return f"{kind} b{batch} seq{length}"
 
 
-def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, wide: bool = True) -> dict:
+def grid_shapes(name: str, shapes, seed: int, model_id: str, max_batch: int, max_seq: int) -> list[tuple]:
+    """(grid name, input, batch, length, seed) of an evaluation grid's (model, input, batch, length) shapes
+    that are `model_id`'s and within the engine's shape range."""
+    from trtserve.errors import TrtServeError
+
+    kept = sorted({(kind, batch, length) for model, kind, batch, length in shapes
+                   if model == model_id and batch <= max_batch and length <= max_seq})
+    if not kept:
+        models = ", ".join(sorted({shape[0] for shape in shapes}))
+        raise TrtServeError(f"--confirm-grid {name}: the grid has no shape for {model_id} within batch {max_batch} "
+                            f"x sequence {max_seq}; its models are {models}")
+    from pathlib import Path
+
+    label = Path(name).stem  # a preset's name, or a grid file's
+    return [(label, kind, batch, length, seed) for kind, batch, length in kept]
+
+
+def grid_ids(engine, kind: str, batch: int, length: int, seed: int) -> np.ndarray:
+    """The token ids `trtserve eval` feeds for one shape: random ids from a generator seeded by (seed, batch,
+    length), or rows of consecutive Wikipedia text, a different passage per row."""
+    if kind == "random":
+        vocab = engine.manifest["model"]["architecture"]["vocab_size"]
+        rng = np.random.default_rng([seed, batch, length])
+        return rng.integers(1000 if vocab > 2000 else 0, vocab, size=(batch, length)).astype(np.int64)
+    from trtserve.data.corpus import wiki_text
+    from trtserve.runtime.text import load_tokenizer
+
+    tokenizer = load_tokenizer(engine.path)
+    rows = [tokenizer.encode(wiki_text(2 * length, 10 * i), add_special_tokens=False).ids[:length] for i in range(batch)]
+    return np.array(rows, dtype=np.int64)
+
+
+def _grid_rows(backend, kind: str, batch: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = grid_ids(backend.engine, kind, batch, length, seed)
+    return ids, np.ones_like(ids)
+
+
+def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, wide: bool = True,
+                   grid=()) -> dict:
     cases = {}
     for length in lengths:
         batch = 4 if length <= 128 else 2
@@ -164,6 +202,10 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
     for kind, batch, length in wide_shapes(lengths, backend.engine.manifest["shapes"]["batch"]["max"]) if wide else ():
         ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=False)
         cases[_label(kind, batch, length)] = {"input": kind, **_encoder_case(backend, ref_model, ids, mask)}
+    for name, kind, batch, length, seed in grid:
+        ids, mask = _grid_rows(backend, kind, batch, length, seed)
+        cases[f"{name} {_label(kind, batch, length)}"] = {"input": kind,
+                                                          **_encoder_case(backend, ref_model, ids, mask)}
     return {"text": corpus.name, "cases": cases, "sentences": sentences_report(backend, ref_model, tokenizer)}
 
 
@@ -235,12 +277,16 @@ def _neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, decode: bool = True,
-                   wide: bool = True) -> dict:
+                   wide: bool = True, grid=()) -> dict:
     cases = {f"seq{length}": _decoder_prefill(backend, ref_model, tokenizer, length, corpus) for length in lengths}
     for kind, batch, length in wide_shapes(lengths, backend.engine.manifest["shapes"]["batch"]["max"]) if wide else ():
         ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=True)
         cases[_label(kind, batch, length)] = {"input": kind,
                                               **_decoder_case(backend, ref_model, ids, mask, real=kind == "real")}
+    for name, kind, batch, length, seed in grid:
+        ids, mask = _grid_rows(backend, kind, batch, length, seed)
+        cases[f"{name} {_label(kind, batch, length)}"] = {
+            "input": kind, **_decoder_case(backend, ref_model, ids, mask, real=kind == "real")}
     if not decode:
         return {"text": corpus.name, "cases": cases}
     max_total = backend.engine.manifest["shapes"]["total_sequence"]["max"]

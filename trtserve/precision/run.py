@@ -31,6 +31,7 @@ class Harness:
         self.lengths = lengths_for(engine.manifest["shapes"]["sequence"]["max"])
         self.kind = source.info.kind
         self.report_fn = encoder_report if self.kind == "encoder" else decoder_report
+        self.grid_shapes = []  # (name, input, batch, length, seed) from --confirm-grid, measured with `wide`
         self.reference = load_torch_model(source, attention="eager")
         self.tokenizer = load_hf_tokenizer(source.path)
 
@@ -48,7 +49,9 @@ class Harness:
                 path = Path(scratch) / "emulation.onnx"
                 onnx.save(graph, str(path))
             backend = OrtBackend(self.engine, graph=path)
-            kwargs = {"wide": wide} if self.kind == "encoder" else {"decode": decode, "wide": wide}
+            kwargs = {"wide": wide, "grid": self.grid_shapes if wide else ()}
+            if self.kind == "decoder":
+                kwargs["decode"] = decode
             report = self.report_fn(backend, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
                                     **kwargs)
             backend.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtserve.errors import TrtServeError
 from trtserve.precision.passes import find_patterns
 from trtserve.precision.policy import FP32_OPS, GEMM_OPS, Policy, get_policy
 from trtserve.progress import say
@@ -57,16 +58,33 @@ def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit
     return sorted(units, key=lambda u: (u.flagged_peak == 0, -u.flagged_peak, u.klass, -u.peak))
 
 
+def gemm_units(model, ranges, units: list[Unit]) -> list[Unit]:
+    """The fp16 GEMMs that are not candidates yet, one unit each, largest activation first: the last
+    resort when a shape misses even with every other candidate fp32 (appended, so that a prefix of
+    the first ranking stays a prefix)."""
+    peak_of = {}
+    for tensor, node in ranges.producer.items():
+        peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
+    taken = frozenset().union(*(u.nodes for u in units))
+    extra = [Unit(f"{n.op_type}:{n.name}", frozenset({n.name}), 0.0, len(CLASS_ORDER) + 2, peak_of.get(n.name, 0.0))
+             for n in model.graph.node if n.op_type in GEMM_OPS and n.name not in taken]
+    return sorted(extra, key=lambda u: -u.peak)
+
+
+def policy_with(model, units: list[Unit], k: int) -> Policy:
+    """The auto policy keeping the first `k` units fp32."""
+    base = get_policy("auto")
+    return Policy(**{**base.__dict__, "fp32_nodes": frozenset().union(*(u.nodes for u in units[:k]))})
+
+
 def auto_policy(model, units: list[Unit], passes, start: int = 0) -> tuple[Policy, list[dict], int]:
     """Bisect the number of leading units kept fp32; `passes(policy)` runs one fidelity check.
 
     `start` is a prefix length already known to miss the target (0: try plain fp16 first)."""
-    base = get_policy("auto")
     log = []
 
     def policy_for(k: int) -> Policy:
-        nodes = frozenset().union(*(u.nodes for u in units[:k]))
-        return Policy(**{**base.__dict__, "fp32_nodes": nodes})
+        return policy_with(model, units, k)
 
     def check(k: int) -> bool:
         ok = passes(policy_for(k))
@@ -111,6 +129,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     ranges = activation_ranges(fp32_model, feeds)
     flags = {f["node"]: f["absmax"] for f in flagged(ranges, fp32_model, get_policy("fp16"))}
     units = candidate_units(fp32_model, ranges, flags)
+    record_units = len(units)
     say(f"auto: {len(flags)} nodes overflow fp16 on calibration text and random ids; {len(units)} candidate units ranked")
     # Bisect on real text at the shorter lengths (fast), then confirm on every length and the wide shapes
     # (random ids, batch 8, padded rows); if that misses, bisect again above the prefix found, on all of them.
@@ -122,13 +141,33 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     if missed:
         say(f"auto: {k} units meet the target on real text up to {max(short)} tokens but miss {len(missed)} checks "
             f"on every length and shape (e.g. {missed[0]}); searching again on all of them")
-        policy, more, k = auto_policy(
-            fp32_model, units, lambda p: harness.emulated(fp32_model, p, decode=False)["passed"], start=k)
+        last = {}
+
+        def everywhere(p) -> bool:
+            last["report"] = harness.emulated(fp32_model, p, decode=False)
+            return last["report"]["passed"]
+
+        try:
+            policy, more, k = auto_policy(fp32_model, units, everywhere, start=k)
+        except RuntimeError:  # every candidate fp32 still misses: the fp16 GEMMs join the candidates
+            gemms = gemm_units(fp32_model, ranges, units)
+            say(f"auto: every candidate unit in fp32 still misses ({last['report']['failures'][0]}); "
+                f"the {len(gemms)} fp16 GEMMs join the candidates")
+            log.append({"units_fp32": len(units), "nodes_fp32": len(policy_with(fp32_model, units, len(units)).fp32_nodes),
+                        "passed": False})
+            try:
+                policy, more, k = auto_policy(fp32_model, units + gemms, everywhere, start=len(units))
+            except RuntimeError:
+                raise TrtServeError(f"auto: no fp32 node set meets the fidelity target on every shape: "
+                                    f"{'; '.join(last['report']['failures'][:3])}. Use --precision hybrid or fp32, "
+                                    "or relax --fidelity-target") from None
+            units = units + gemms
         log += more
     record = {
         "probe_tokens": int(rows.size),
         "flagged_nodes": len(flags),
-        "candidate_units": len(units),
+        "candidate_units": record_units,
+        "gemm_units_added": len(units) - record_units,  # GEMMs that joined when a shape missed without them
         "units_kept_fp32": [u.label for u in units[:k]],
         "evaluations": log,
         "confirmation_missed": missed,  # what the first prefix missed beyond the search's own cases
