@@ -119,6 +119,12 @@ class Corpus:
         return rows
 
 
+def random_ids(vocab: int, rng, shape) -> np.ndarray:
+    """Random token ids as the evaluation draws them: above the first 1,000 ids (special and byte
+    tokens in most vocabularies) when the vocabulary is large enough."""
+    return rng.integers(1000 if vocab > 2000 else 0, vocab, size=shape).astype(np.int64)
+
+
 def wide_shapes(lengths, max_batch: int) -> list[tuple[str, int, int]]:
     """(input, batch, length) measured beyond the real-text cases: random ids at batch 1 on every length
     and at batch 8 (half the rows padded, by different amounts) up to WIDE_TOKENS tokens, and real text
@@ -136,7 +142,7 @@ def _wide_rows(backend, tokenizer, corpus: Corpus, kind: str, batch: int, length
     if kind == "random":
         vocab = backend.engine.manifest["model"]["architecture"]["vocab_size"]
         rng = np.random.default_rng([batch, length])
-        ids = rng.integers(1000 if vocab > 2000 else 0, vocab, size=(batch, length))
+        ids = random_ids(vocab, rng, (batch, length))
     else:
         ids = np.array(corpus.rows(tokenizer, batch, length, special=not left))
     ids, mask = ids.astype(np.int64), np.ones((batch, length), np.int64)
@@ -175,7 +181,7 @@ def grid_ids(engine, kind: str, batch: int, length: int, seed: int) -> np.ndarra
     if kind == "random":
         vocab = engine.manifest["model"]["architecture"]["vocab_size"]
         rng = np.random.default_rng([seed, batch, length])
-        return rng.integers(1000 if vocab > 2000 else 0, vocab, size=(batch, length)).astype(np.int64)
+        return random_ids(vocab, rng, (batch, length))
     from trtserve.data.corpus import wiki_text
     from trtserve.runtime.text import load_tokenizer
 

@@ -29,13 +29,19 @@ class Unit:
     peak: float
 
 
+def _peaks(ranges) -> dict[str, float]:
+    """Node -> the largest absolute value among its outputs on the probe."""
+    peak_of = {}
+    for tensor, node in ranges.producer.items():
+        peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
+    return peak_of
+
+
 def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit]:
     from trtserve.precision.passes import name_nodes
 
     name_nodes(model.graph)
-    peak_of = {}
-    for tensor, node in ranges.producer.items():
-        peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
+    peak_of = _peaks(ranges)
     units, taken = [], set()
 
     def add(label: str, nodes: set, klass: int):
@@ -62,16 +68,14 @@ def gemm_units(model, ranges, units: list[Unit]) -> list[Unit]:
     """The fp16 GEMMs that are not candidates yet, one unit each, largest activation first: the last
     resort when a shape misses even with every other candidate fp32 (appended, so that a prefix of
     the first ranking stays a prefix)."""
-    peak_of = {}
-    for tensor, node in ranges.producer.items():
-        peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
+    peak_of = _peaks(ranges)
     taken = frozenset().union(*(u.nodes for u in units))
     extra = [Unit(f"{n.op_type}:{n.name}", frozenset({n.name}), 0.0, len(CLASS_ORDER) + 2, peak_of.get(n.name, 0.0))
              for n in model.graph.node if n.op_type in GEMM_OPS and n.name not in taken]
     return sorted(extra, key=lambda u: -u.peak)
 
 
-def policy_with(model, units: list[Unit], k: int) -> Policy:
+def policy_with(units: list[Unit], k: int) -> Policy:
     """The auto policy keeping the first `k` units fp32."""
     base = get_policy("auto")
     return Policy(**{**base.__dict__, "fp32_nodes": frozenset().union(*(u.nodes for u in units[:k]))})
@@ -84,7 +88,7 @@ def auto_policy(model, units: list[Unit], passes, start: int = 0) -> tuple[Polic
     log = []
 
     def policy_for(k: int) -> Policy:
-        return policy_with(model, units, k)
+        return policy_with(units, k)
 
     def check(k: int) -> bool:
         ok = passes(policy_for(k))
@@ -110,6 +114,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     """Probe on calibration text, rank candidates, bisect under fp16 emulation."""
     import numpy as np
 
+    from trtserve.precision.measure import random_ids
     from trtserve.precision.overflow import activation_ranges, flagged
     from trtserve.precision.probe import probe_feeds
 
@@ -123,7 +128,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         dims = spec.type.tensor_type.shape.dim
         past = (dims[1].dim_value, dims[3].dim_value)
     vocab = harness.engine.manifest["model"]["architecture"]["vocab_size"]
-    noise = np.random.default_rng(0).integers(1000 if vocab > 2000 else 0, vocab, size=(2, length))
+    noise = random_ids(vocab, np.random.default_rng(0), (2, length))
     # calibrated on real text and on random ids: random ids reach activations real text does not
     feeds = [probe_feeds(info_kind, batch, names, past) for batch in (rows[0:2], rows[2:4], noise)]
     ranges = activation_ranges(fp32_model, feeds)
@@ -153,7 +158,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
             gemms = gemm_units(fp32_model, ranges, units)
             say(f"auto: every candidate unit in fp32 still misses ({last['report']['failures'][0]}); "
                 f"the {len(gemms)} fp16 GEMMs join the candidates")
-            log.append({"units_fp32": len(units), "nodes_fp32": len(policy_with(fp32_model, units, len(units)).fp32_nodes),
+            log.append({"units_fp32": len(units), "nodes_fp32": len(policy_with(units, len(units)).fp32_nodes),
                         "passed": False})
             try:
                 policy, more, k = auto_policy(fp32_model, units + gemms, everywhere, start=len(units))
