@@ -1,6 +1,7 @@
 """Engine dir: atomic writes and verification on load."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,20 @@ def test_successful_write_replaces_the_directory(tmp_path):
         (tmp / "new").write_text("x")
     assert [p.name for p in target.iterdir()] == ["new"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
+def test_build_code_digest_follows_the_builder_sources_only(tmp_path):
+    """The eval's engine cache is keyed by this digest: a builder change must miss the cache, a server change not."""
+    import shutil
+
+    from trtserve.fileio import build_code_digest
+
+    package = Path(__import__("trtserve").__file__).parent
+    copy = tmp_path / "trtserve"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = build_code_digest(copy)
+    assert before == build_code_digest(package)
+    (copy / "server" / "app.py").write_text((copy / "server" / "app.py").read_text() + "\n# server change\n")
+    assert build_code_digest(copy) == before
+    (copy / "precision" / "measure.py").write_text((copy / "precision" / "measure.py").read_text() + "\n# new\n")
+    assert build_code_digest(copy) != before

@@ -17,6 +17,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("TRTSERVE_CACHE", Path.home() / ".cache" / "trtserve"))
 
 
+BUILD_CODE = ("engine_builder", "precision", "models", "data", "engine_dir.py")  # what decides an engine's files
+
+
+def build_code_digest(root: Path | None = None) -> str:
+    """sha256 over the sources that build an engine (under `root`, the package by default): a cache of built
+    engines keyed by it is never reused by a trtserve whose builder writes something else (a new manifest
+    field, another policy)."""
+    root = Path(__file__).parent if root is None else Path(root)
+    files = sorted(f for name in BUILD_CODE for f in ([root / name] if name.endswith(".py")
+                                                     else (root / name).rglob("*.py")))
+    return sha256_files(files, root)
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

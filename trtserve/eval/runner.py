@@ -188,13 +188,14 @@ class _Session:
         from trtserve.engine_builder.build import BuildConfig, build_engine
         from trtserve.engine_dir import open_engine_dir
         from trtserve.errors import EngineDirError
-        from trtserve.fileio import cache_root
+        from trtserve.fileio import build_code_digest, cache_root
 
         key = (model, precision)
         if key not in self.engines:
             # at least 128 tokens: the downstream check embeds whole review sentences (up to about 70)
             max_seq, max_batch = max(max(self.grid.sequence), 128), max(self.grid.batch)
-            path = cache_root() / "eval" / f"{model}-{precision}-b{max_batch}-s{max_seq}"
+            # keyed by the builder's code too: an engine an older trtserve built lacks what this one measures
+            path = cache_root() / "eval" / f"{model}-{precision}-b{max_batch}-s{max_seq}-{build_code_digest()[:12]}"
             try:
                 self.engines[key] = open_engine_dir(path)
             except EngineDirError:
