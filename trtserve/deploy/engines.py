@@ -2,8 +2,9 @@
 
 A built engine is keyed by the checkpoint's content (a changed checkpoint gets a new engine, never
 the old one) and by its target, since a TensorRT plan is tied to the GPU model and the TensorRT
-version that built it: `<model>-<content hash>-<precision>-onnxruntime` on the CPU,
-`<model>-<content hash>-<precision>-<flavour><version>-<gpu>-sm<cc>` on a GPU. Several processes starting at once on one volume (replicas,
+version that built it: `<model>-<content hash>-<precision>-onnxruntime-b<builder>` on the CPU,
+`<model>-<content hash>-<precision>-<flavour><version>-<gpu>-sm<cc>-b<builder>` on a GPU, where
+`<builder>` is a digest of the builder's sources (fileio.build_code_digest). Several processes starting at once on one volume (replicas,
 containers) take a lock so that one builds and the others reuse its result.
 """
 
@@ -71,7 +72,11 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     tracks = is_parallel_track(Path(model))
     chosen, why = ("onnxruntime", "track-sharded engines run on ONNX Runtime") if tracks else choose_backend(backend)
     root = engines_root() if root is None else Path(root)
-    target = root / f"{Path(model).name}-{content_key(model)}-{precision}-{target_key(chosen)}"
+    from trtserve.fileio import build_code_digest
+
+    # the builder's code too: an upgraded trtserve builds its own engine instead of serving an older build's
+    target = root / (f"{Path(model).name}-{content_key(model)}-{precision}-{target_key(chosen)}"
+                     f"-b{build_code_digest()[:8]}")
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{target.name}.lock"):
         try:
