@@ -76,7 +76,8 @@ def test_successful_write_replaces_the_directory(tmp_path):
 
 
 def test_build_code_digest_follows_the_builder_sources_only(tmp_path):
-    """The eval's engine cache is keyed by this digest: a builder change must miss the cache, a server change not."""
+    """The eval's and first start's engine caches are keyed by this digest: a builder change must miss them, a
+    server change not."""
     import shutil
 
     from trtserve.fileio import build_code_digest

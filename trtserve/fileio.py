@@ -25,9 +25,10 @@ def build_code_digest(root: Path | None = None) -> str:
     engines keyed by it is never reused by a trtserve whose builder writes something else (a new manifest
     field, another policy)."""
     root = Path(__file__).parent if root is None else Path(root)
-    files = sorted(f for name in BUILD_CODE for f in ([root / name] if name.endswith(".py")
-                                                     else (root / name).rglob("*.py")))
-    return sha256_files(files, root)
+    files = []
+    for path in (root / name for name in BUILD_CODE):
+        files += [path] if path.is_file() else path.rglob("*.py")
+    return sha256_files(files, root)  # sorts them
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
