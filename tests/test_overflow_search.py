@@ -79,3 +79,43 @@ def test_gemms_join_the_candidates_when_every_other_unit_fp32_still_misses():
 
 def policy_of(units):
     return frozenset().union(*(u.nodes for u in units))
+
+
+def test_hybrid_set_written_as_auto_names_gives_hybrids_graph():
+    from trtserve.precision.passes import apply_policy
+    from trtserve.precision.search import hybrid_set
+
+    model, feeds = block_graph(), block_feeds(scale=300.0)
+    as_auto = hybrid_set(model)
+    assert as_auto.name == "auto" and as_auto.everything and as_auto.fp32_nodes
+    _, hybrid_report = apply_policy(model, get_policy("hybrid"))
+    _, auto_report = apply_policy(model, as_auto)
+    assert auto_report.low_nodes == hybrid_report.low_nodes and auto_report.fp32_nodes == hybrid_report.fp32_nodes
+    np.testing.assert_array_equal(run(emulation_model(model, as_auto), feeds),
+                                  run(emulation_model(model, get_policy("hybrid")), feeds))
+
+
+def test_hybrids_set_is_tried_before_any_gemm_goes_fp32():
+    from trtserve.precision.search import _beyond_candidates, hybrid_set
+
+    model, feeds = block_graph(), block_feeds(scale=300.0)
+    ranges = activation_ranges(model, [feeds])
+    flags = {f["node"]: f["absmax"] for f in flagged(ranges, model, get_policy("fp16"))}
+    units = candidate_units(model, ranges, flags)
+    hybrid = hybrid_set(model).fp32_nodes
+    last = {"report": {"failures": ["a shape"]}}
+    tried = []
+
+    def only_hybrid(policy):  # a shape that hybrid's set meets and no candidate prefix does
+        tried.append(policy.fp32_nodes)
+        return policy.fp32_nodes == hybrid
+
+    policy, log, k, out_units, via_hybrid = _beyond_candidates(model, ranges, units, only_hybrid, last)
+    assert via_hybrid and policy.fp32_nodes == hybrid and out_units == units and len(tried) == 1
+    assert log == [{"units_fp32": "hybrid", "nodes_fp32": len(hybrid), "passed": True}]
+
+    gemm = sorted({n.name for n in model.graph.node if n.op_type == "MatMul"} - policy_of(units))[0]
+    policy, log, k, out_units, via_hybrid = _beyond_candidates(
+        model, ranges, units, lambda p: gemm in p.fp32_nodes, last)  # hybrid keeps every GEMM fp16: it misses
+    assert not via_hybrid and gemm in policy.fp32_nodes and len(out_units) > len(units)
+    assert log[0] == {"units_fp32": "hybrid", "nodes_fp32": len(hybrid), "passed": False}

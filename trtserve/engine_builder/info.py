@@ -21,7 +21,8 @@ def describe_manifest(engine: EngineDir) -> str:
         f"model       {model['id']} ({model['family']} {model['kind']}, {arch['num_layers']} layers, "
         f"hidden {arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
         f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
-        f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {}),
+        f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {})
+        + _search(m["precision"].get("search")),
         f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})"
         + (f"; {backend['resident_mb']} MB resident once loaded" if backend.get("resident_mb") else ""),
         *([f"            int8 activations in {backend['int8_activations']}"
@@ -85,6 +86,16 @@ def _graph(report: dict) -> str:
     low, fp32 = sum(report["low_precision_nodes"].values()), sum(report["fp32_nodes"].values())
     patterns = ", ".join(f"{k} x{v['instances']}" for k, v in report["patterns_kept_fp32"].items() if v["instances"])
     return f" ({low} nodes fp16, {fp32} fp32, {report['casts_inserted']} casts; kept fp32: {patterns or 'none'})"
+
+
+def _search(record: dict | None) -> str:
+    """How auto chose its fp32 set."""
+    if not record:
+        return ""
+    if record.get("hybrid_set"):
+        return "; auto: hybrid's fp32 set (every candidate unit in fp32 missed a shape)"
+    added = f", {record['gemm_units_added']} GEMMs among them" if record.get("gemm_units_added") else ""
+    return f"; auto: {len(record['units_kept_fp32'])} of {record['candidate_units']} candidate units fp32{added}"
 
 
 def _tensorrt(entry: dict | None) -> list[str]:

@@ -5,6 +5,9 @@ Candidates are units (a whole RMSNorm chain, the rotary chain, the mask chain, o
 node), ranked by the overflow probe (units holding a node whose values leave the fp16 range come
 first, largest first), then by sensitivity class, then by activation magnitude. The prefix length
 is found by bisection, so a model needs about log2(units) fidelity runs.
+
+When a shape misses even with every candidate fp32, hybrid's fp32 set is tried next (every GEMM fp16), and
+only if it misses too do the fp16 GEMMs become candidates.
 """
 
 from __future__ import annotations
@@ -81,6 +84,37 @@ def policy_with(units: list[Unit], k: int) -> Policy:
     return Policy(**{**base.__dict__, "fp32_nodes": frozenset().union(*(u.nodes for u in units[:k]))})
 
 
+def hybrid_set(model) -> Policy:
+    """Hybrid's choice written as an auto policy: fp16 everywhere except the nodes hybrid runs in fp32 (its
+    norm, rotary and mask chains, softmax, reductions and the elementwise ops between them), named."""
+    from trtserve.precision.passes import plan_policy
+
+    _, index, low, _, _ = plan_policy(model, get_policy("hybrid"))
+    fp32 = frozenset(n.name for n in index.g.node if not low[n.name]
+                     and any(index.is_float(t) for t in [*n.input, *n.output]))
+    return Policy(**{**get_policy("auto").__dict__, "fp32_nodes": fp32})
+
+
+def _beyond_candidates(model, ranges, units: list[Unit], everywhere, last: dict):
+    """Every candidate unit in fp32 still misses a shape. Hybrid's set (every GEMM fp16) is tried next, then
+    the fp16 GEMMs join the candidates. Returns (policy, log, k, units, whether hybrid's set was taken)."""
+    hybrid = hybrid_set(model)
+    if everywhere(hybrid):
+        say(f"auto: hybrid's set ({len(hybrid.fp32_nodes)} nodes fp32, every GEMM fp16) meets every shape")
+        return hybrid, [{"units_fp32": "hybrid", "nodes_fp32": len(hybrid.fp32_nodes), "passed": True}], 0, units, True
+    tried = [{"units_fp32": "hybrid", "nodes_fp32": len(hybrid.fp32_nodes), "passed": False}]
+    gemms = gemm_units(model, ranges, units)
+    say(f"auto: every candidate unit in fp32 and hybrid's set still miss ({last['report']['failures'][0]}); "
+        f"the {len(gemms)} fp16 GEMMs join the candidates")
+    try:
+        policy, more, k = auto_policy(model, units + gemms, everywhere, start=len(units))
+    except RuntimeError:
+        raise TrtServeError(f"auto: no fp32 node set meets the fidelity target on every shape: "
+                            f"{'; '.join(last['report']['failures'][:3])}. Use --precision hybrid or fp32, "
+                            "or relax --fidelity-target") from None
+    return policy, tried + more, k, units + gemms, False
+
+
 def auto_policy(model, units: list[Unit], passes, start: int = 0) -> tuple[Policy, list[dict], int]:
     """Bisect the number of leading units kept fp32; `passes(policy)` runs one fidelity check.
 
@@ -143,6 +177,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         fp32_model, p, decode=False, lengths=short, wide=False)["passed"])
     confirm = harness.emulated(fp32_model, policy, decode=False)
     missed = confirm["failures"]
+    via_hybrid = False
     if missed:
         say(f"auto: {k} units meet the target on real text up to {max(short)} tokens but miss {len(missed)} checks "
             f"on every length and shape (e.g. {missed[0]}); searching again on all of them")
@@ -154,26 +189,18 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
 
         try:
             policy, more, k = auto_policy(fp32_model, units, everywhere, start=k)
-        except RuntimeError:  # every candidate fp32 still misses: the fp16 GEMMs join the candidates
-            gemms = gemm_units(fp32_model, ranges, units)
-            say(f"auto: every candidate unit in fp32 still misses ({last['report']['failures'][0]}); "
-                f"the {len(gemms)} fp16 GEMMs join the candidates")
+        except RuntimeError:  # every candidate fp32 still misses: hybrid's set, then the fp16 GEMMs
             log.append({"units_fp32": len(units), "nodes_fp32": len(policy_with(units, len(units)).fp32_nodes),
                         "passed": False})
-            try:
-                policy, more, k = auto_policy(fp32_model, units + gemms, everywhere, start=len(units))
-            except RuntimeError:
-                raise TrtServeError(f"auto: no fp32 node set meets the fidelity target on every shape: "
-                                    f"{'; '.join(last['report']['failures'][:3])}. Use --precision hybrid or fp32, "
-                                    "or relax --fidelity-target") from None
-            units = units + gemms
+            policy, more, k, units, via_hybrid = _beyond_candidates(fp32_model, ranges, units, everywhere, last)
         log += more
     record = {
         "probe_tokens": int(rows.size),
         "flagged_nodes": len(flags),
         "candidate_units": record_units,
         "gemm_units_added": len(units) - record_units,  # GEMMs that joined when a shape missed without them
-        "units_kept_fp32": [u.label for u in units[:k]],
+        "units_kept_fp32": [u.label for u in units[:k]] if not via_hybrid else [],
+        "hybrid_set": via_hybrid,  # every candidate fp32 missed and hybrid's fp32 set met every shape
         "evaluations": log,
         "confirmation_missed": missed,  # what the first prefix missed beyond the search's own cases
     }
