@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 from trtserve.errors import TrtServeError
-from trtserve.eval.grid import load_grid
+from trtserve.eval.grid import MIXED, load_grid
 
 
 def test_presets_expand_to_the_promised_sizes():
@@ -20,7 +20,8 @@ def test_presets_expand_to_the_promised_sizes():
     runnable_here = [c for c in paper if c.backend != "tensorrt"]
     assert len(runnable_here) >= 480 and len({c.key for c in paper}) == len(paper)
     assert not any(c.backend == "torch" and c.precision != "fp32" for c in paper)
-    assert not any(c.backend == "fp16-emulation" and c.precision == "fp32" for c in paper)
+    assert not any(c.backend == "fp16-emulation" and c.precision not in MIXED for c in paper)
+    assert {"gguf", "int8", "int4"} <= {c.precision for c in paper if c.backend == "onnxruntime"}
     quick = load_grid(preset="quick").configs()
     assert quick[0].backend == "torch"  # the baseline of each shape runs first
 
@@ -116,6 +117,23 @@ def test_resume_runs_only_what_is_missing_and_report_regenerates(quick_run, tmp_
     assert sorted({r["key"] for r in rows_of(out) if "status" in r}) == sorted(r["key"] for r in rows_of(quick_run))
     (out / "report.md").unlink()
     assert run_cli("eval", "report", str(out)).returncode == 0 and (out / "report.md").is_file()
+
+
+@pytest.mark.models
+def test_a_policy_the_model_cannot_have_is_recorded_as_skipped_rows(quick_run, tmp_path):
+    grid = tmp_path / "grid.toml"  # the quick grid's shape range: its fp32 engine is reused from the cache
+    grid.write_text('models = ["all-MiniLM-L6-v2"]\nbackends = ["torch", "onnxruntime"]\nprecisions = ["fp32", "gguf"]\n'
+                    'batch = [1, 4]\nsequence = [32]\ninputs = ["real"]\nmin_runs = 1\nmin_seconds = 0\n')
+    result = run_cli("eval", "--grid", str(grid), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r["precision"], r["backend"], r["batch"]): r for r in rows_of(tmp_path / "out")}
+    assert len(rows) == 6
+    for batch in (1, 4):
+        assert rows["fp32", "torch", batch]["status"] == "ok" and rows["fp32", "onnxruntime", batch]["status"] == "ok"
+        skipped = rows["gguf", "onnxruntime", batch]
+        assert skipped["status"] == "skipped" and "no gguf engine of all-MiniLM-L6-v2" in skipped["why"]
+        assert "GGUF" in skipped["why"]  # the build's own reason
+    assert (tmp_path / "out" / "report.md").is_file()
 
 
 @pytest.mark.models

@@ -11,7 +11,8 @@ from trtserve.errors import TrtServeError
 
 PRESETS = Path(__file__).parent / "presets"
 BACKENDS = ("torch", "onnxruntime", "fp16-emulation", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "hybrid", "auto")
+PRECISIONS = ("fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4")
+MIXED = ("fp16", "hybrid", "auto")  # the fp16 policies, whose GPU arithmetic fp16 emulation predicts
 INPUTS = ("real", "random")
 
 
@@ -50,7 +51,7 @@ class Grid:
 
     def configs(self) -> list[Config]:
         """Every meaningful combination, baselines first within each shape: torch runs fp32 only,
-        fp16 emulation only the mixed policies."""
+        fp16 emulation only the fp16 policies (quantized weights are computed the same on the CPU)."""
         out = []
         limits = dict(self.token_limits)
         for model in self.models:
@@ -63,7 +64,7 @@ class Grid:
                             for precision in self.precisions:
                                 if backend == "torch" and precision != "fp32":
                                     continue
-                                if backend == "fp16-emulation" and precision == "fp32":
+                                if backend == "fp16-emulation" and precision not in MIXED:
                                     continue
                                 out.append(Config(model, backend, precision, batch, sequence, kind))
         return out

@@ -100,6 +100,7 @@ class _Session:
         self.backends: dict[tuple, object] = {}
         self.references: dict[tuple, np.ndarray] = {}
         self.why_not: dict[str, str] = {}
+        self.unbuildable: dict[tuple, str] = {}  # (model, precision) -> why the build refused it
         self.loaded_bytes: dict[tuple, int | None] = {}  # RSS growth when a backend was loaded
         self.model: str | None = None  # the model whose sessions are loaded
 
@@ -126,6 +127,9 @@ class _Session:
 
     def measure(self, config: Config) -> dict:
         row = {"key": config.key, **config.__dict__, "seed": self.grid.seed, "time": time.time()}
+        refused = self.unbuildable.get((config.model, config.precision))
+        if refused is not None and config.backend != "torch":
+            return {**row, "status": "skipped", "why": f"no {config.precision} engine of {config.model}: {refused}"}
         backend = self._backend(config)
         if backend is None:
             return {**row, "status": "skipped", "why": self.why_not[config.backend]}
@@ -178,7 +182,8 @@ class _Session:
             self.switch_to(config.model)
             engines = {}
             for other in self.grid.configs():
-                if other.shape == config.shape and other.backend != "tensorrt":
+                if (other.shape == config.shape and other.backend != "tensorrt"
+                        and (other.model, other.precision) not in self.unbuildable):
                     engines[f"{other.backend}/{other.precision}"] = TextEngine(self._backend(other))
             say(f"eval: downstream sentiment accuracy of {config.model} under {len(engines)} backends/policies")
             result = downstream(engines, "torch/fp32", self.out)
@@ -187,10 +192,12 @@ class _Session:
     def _engine(self, model: str, precision: str):
         from trtserve.engine_builder.build import BuildConfig, build_engine
         from trtserve.engine_dir import open_engine_dir
-        from trtserve.errors import EngineDirError
+        from trtserve.errors import EngineDirError, TrtServeError
         from trtserve.fileio import build_code_digest, cache_root
 
         key = (model, precision)
+        if key in self.unbuildable:
+            return None
         if key not in self.engines:
             # at least 128 tokens: the downstream check embeds whole review sentences (up to about 70)
             max_seq, max_batch = max(max(self.grid.sequence), 128), max(self.grid.batch)
@@ -200,9 +207,16 @@ class _Session:
                 self.engines[key] = open_engine_dir(path)
             except EngineDirError:
                 say(f"eval: building the {precision} engine of {model} (once, cached at {path})")
-                self.engines[key] = build_engine(BuildConfig(model=model, out=path, precision=precision,
-                                                             max_batch=max_batch, max_seq=max_seq,
-                                                             allow_low_fidelity=True))
+                try:
+                    self.engines[key] = build_engine(BuildConfig(model=model, out=path, precision=precision,
+                                                                 max_batch=max_batch, max_seq=max_seq,
+                                                                 allow_low_fidelity=True))
+                except TrtServeError as exc:  # a policy this model cannot have (gguf of a non-GGUF checkpoint)
+                    if precision == "fp32":
+                        raise
+                    say(f"eval: no {precision} engine of {model}: {exc}; its rows are recorded as skipped")
+                    self.unbuildable[key] = str(exc)
+                    return None
         return self.engines[key]
 
     def _backend(self, config: Config):
