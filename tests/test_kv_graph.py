@@ -63,6 +63,10 @@ def test_every_layer_becomes_one_attention_node_and_the_build_check_passes(tiny)
     ops = [n.op_type for n in graph.node]
     assert ops.count("GroupQueryAttention") == 2
     assert not {"Softmax", "Sin", "Cos"} & set(ops)  # rotary and softmax live inside the attention nodes
+    producers = {o: n for n in graph.node for o in n.output}
+    for attention in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        # fp32 weights: query, key and value are one packed product (key and value inputs left empty)
+        assert list(attention.input[1:3]) == ["", ""] and producers[attention.input[0]].op_type == "MatMul"
     assert {i.name for i in graph.input} >= {"input_ids", "query_seqlens", "seqlens_k", "logit_index"}
     assert "attention_mask" not in {i.name for i in graph.input}
 

@@ -1,6 +1,7 @@
 """The ONNX Runtime decode graph: each layer's attention as one GroupQueryAttention node whose past and
 present key/value are the same preallocated buffer, so a decode step appends in place instead of copying
-the cache; each RMS norm becomes ONNX Runtime's fused SimplifiedLayerNormalization.
+the cache (its query, key and value projections one packed GEMM where their weights are fp32 constants);
+each RMS norm becomes ONNX Runtime's fused SimplifiedLayerNormalization.
 
 The portable graph keeps the standard contract (left-padded attention_mask, past in, past + new out);
 this graph is a lowering of it for ONNX Runtime only, found by the graph's structure (rotary halves,
@@ -160,6 +161,23 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
             "drop": [g.producer[out], cat_k, cat_v]}
 
 
+def _packed_qkv(g: _Graph, f: dict, i: int) -> list[str]:
+    """GroupQueryAttention's query, key and value inputs. Where the three are products of one input with fp32
+    weight constants, they become one product with the weights side by side (GroupQueryAttention's packed
+    form: key and value empty), one GEMM instead of three per layer; otherwise the three as they are."""
+    products = [g.producer.get(f[t]) for t in ("q", "k", "v")]
+    if any(p is None or p.op_type != "MatMul" for p in products) or len({p.input[0] for p in products}) != 1:
+        return [f["q"], f["k"], f["v"]]
+    weights = [g.const(p.input[1]) for p in products]
+    if any(w is None or w.ndim != 2 or w.dtype != np.float32 for w in weights):
+        return [f["q"], f["k"], f["v"]]
+    name = f"kv.qkv_weight.{i}"
+    g.graph.initializer.append(numpy_helper.from_array(np.concatenate(weights, axis=1), name))
+    g.graph.node.insert(list(g.graph.node).index(products[0]) + 1, helper.make_node(
+        "MatMul", [products[0].input[0], name], [f"kv.qkv.{i}"], name=f"attention.{i}.qkv"))
+    return [f"kv.qkv.{i}", "", ""]
+
+
 def _logit_gather(g: _Graph) -> None:
     """Transpose(1,0,2) -> GatherND(Unsqueeze(logit_positions)) -> Transpose(1,0,2) becomes a gather of
     each row's own positions: GatherND(hidden, Unsqueeze(logit_index, -1), batch_dims=1)."""
@@ -249,12 +267,13 @@ def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity
     graph.initializer.extend([numpy_helper.from_array(np.cos(angles).astype(np.float32), "kv.cos_cache"),
                               numpy_helper.from_array(np.sin(angles).astype(np.float32), "kv.sin_cache")])
     for i, f in zip(layers, found):
+        qkv = _packed_qkv(g, f, i)
         index = list(graph.node).index(f["drop"][0])
         for node in f["drop"]:
             graph.node.remove(node)
         graph.node.insert(index, helper.make_node(
             "GroupQueryAttention",
-            [f["q"], f["k"], f["v"], f"past_key_values.{i}.key", f"past_key_values.{i}.value", SEQLENS, TOTAL,
+            [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", SEQLENS, TOTAL,
              "kv.cos_cache", "kv.sin_cache", "", "", "", "", "", "", "", QUERY_LENS],
             [f["out"], f"present.{i}.key", f"present.{i}.value"], name=f"attention.{i}", domain="com.microsoft",
             num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=f["scale"]))
