@@ -4,9 +4,10 @@ tokens, engines taking turns (order reversed every other round), medians; greedy
 with the first engine's.
 
     .venv/bin/python benchmarks/bench_decode.py --engine fp32=engines/smollm2 --engine gguf=engines/smollm2-gguf
-        [--llama-cpp] [--rounds 7] [--prompt 128] [--tokens 64] [--threads 2]
+        [--llama-cpp] [--ort-genai fp32=DIR ...] [--rounds 7] [--prompt 128] [--tokens 64] [--threads 2]
 
-llama.cpp is a peer, not a dependency: `--llama-cpp` needs `llama_cpp` (llama-cpp-python) importable.
+The peers are not dependencies: `--llama-cpp` needs `llama_cpp` (llama-cpp-python, benchmarks/setup_llama_cpp.sh)
+importable, `--ort-genai` needs `onnxruntime_genai` and a model its builder wrote (benchmarks/setup_ort_genai.sh).
 """
 
 from __future__ import annotations
@@ -61,6 +62,34 @@ class LlamaCpp:
         return time.perf_counter() - first, out
 
 
+class OrtGenAI:
+    """ONNX Runtime GenAI on a model its builder wrote (benchmarks/setup_ort_genai.sh): its own decode loop,
+    KV buffer shared by past and present, greedy search."""
+
+    def __init__(self, model_dir: Path, threads: int):
+        import json
+
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(model_dir))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+
+    def run(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(prompt) + tokens, min_length=len(prompt) + tokens, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(prompt)  # the prompt's forward pass
+        out, first = [], None
+        while len(out) < tokens and not generator.is_done():
+            generator.generate_next_token()  # the first picks from the prompt's logits, later ones run a step
+            out.append(int(generator.get_next_tokens()[0]))
+            first = first or time.perf_counter()
+        return time.perf_counter() - first, out
+
+
 def agreement(a: list[int], b: list[int]) -> int:
     """How many leading greedy tokens two engines share."""
     n = 0
@@ -76,6 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", action="append", default=[], metavar="NAME=DIR", required=True)
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the engines' GGUF source")
+    parser.add_argument("--ort-genai", action="append", default=[], metavar="NAME=DIR",
+                        help="add ONNX Runtime GenAI on a model dir from benchmarks/setup_ort_genai.sh")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
@@ -92,6 +123,9 @@ def main() -> None:
 
         gguf = resolve(first.text.backend.engine.manifest["model"]["source"]).gguf
         engines[f"llama.cpp {gguf.name}"] = LlamaCpp(gguf, args.threads)
+    for item in args.ort_genai:
+        name, _, path = item.partition("=")
+        engines[f"ORT GenAI {name}"] = OrtGenAI(Path(path), args.threads)
     for engine in engines.values():
         engine.run(prompt, 8)  # warm-up
     times = {name: [] for name in engines}
