@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -45,11 +47,18 @@ class Ours:
 
 
 class LlamaCpp:
-    def __init__(self, gguf: Path, threads: int):
+    def __init__(self, gguf: Path, threads: int, n_ctx: int = 1024, logits_all: bool = False):
         from llama_cpp import Llama
 
         # the AMX buffer types crash on some VMs; the plain CPU path is what a default build runs elsewhere
-        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False, use_extra_bufts=False)
+        self.llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False, use_extra_bufts=False,
+                         logits_all=logits_all)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """(S, V) next-token logits of every position (needs `logits_all`)."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[:len(ids)], np.float32)
 
     def run(self, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
         self.llm.reset()
@@ -88,6 +97,14 @@ class OrtGenAI:
             out.append(int(generator.get_next_tokens()[0]))
             first = first or time.perf_counter()
         return time.perf_counter() - first, out
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """(S, V) next-token logits of every position of one prompt pass."""
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + 1)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(ids)
+        return np.asarray(generator.get_output("logits"))[0]
 
 
 def agreement(a: list[int], b: list[int]) -> int:

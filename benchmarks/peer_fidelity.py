@@ -12,32 +12,14 @@ benchmarks/setup_ort_genai.sh); `--engine-under-test` adds trtserve engines for 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the peers of bench_decode.py
+
 WINDOWS = ((0, 128), (128, 128), (256, 128), (384, 128), (1024, 512), (2048, 1024))
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    scores = log_softmax(logits[:-1].astype(np.float64))
-    return float(np.exp(-np.mean(scores[np.arange(len(ids) - 1), ids[1:]])))
-
-
-def engine_logits(backend, ids: list[int]) -> np.ndarray:
-    from trtserve.runtime.generate import logit_feed, start
-
-    n = len(ids)
-    feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
-             "position_ids": np.arange(n, dtype=np.int64)[None]}
-    feeds.update(logit_feed(backend, n, last_only=False))
-    feeds.update(start(backend, 1).past)
-    return backend.infer(feeds)["logits"][0]
 
 
 def main() -> None:
@@ -47,9 +29,16 @@ def main() -> None:
     parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the engine's GGUF source")
     parser.add_argument("--ort-genai", action="append", default=[], metavar="NAME=DIR")
     args = parser.parse_args()
+    from bench_decode import LlamaCpp, OrtGenAI
+
     from trtserve.data.corpus import wiki_text
+    from trtserve.precision.fidelity import perplexity, top1_agreement
     from trtserve.runtime import load_backend
+    from trtserve.runtime.generate import start, step
     from trtserve.runtime.text import TextEngine
+
+    def engine_logits(backend, window: list[int]) -> np.ndarray:
+        return step(backend, start(backend, 1), np.array([window], np.int64))[0]
 
     reference = TextEngine(load_backend(args.engine, threads=2))
     ids = list(reference.tokenize([wiki_text(3000)], add_special_tokens=False)[0])
@@ -59,34 +48,13 @@ def main() -> None:
         backend = load_backend(Path(path), threads=2)
         peers[f"trtserve {name}"] = lambda w, backend=backend: engine_logits(backend, w)
     if args.llama_cpp:
-        from llama_cpp import Llama
-
         from trtserve.models.sources import resolve
 
         gguf = resolve(reference.backend.engine.manifest["model"]["source"]).gguf
-        llm = Llama(str(gguf), n_ctx=2048, n_threads=2, n_batch=512, logits_all=True, verbose=False,
-                    use_extra_bufts=False)
-
-        def llama(window: list[int]) -> np.ndarray:
-            llm.reset()
-            llm.eval(window)
-            return np.array(llm.scores[:len(window)], np.float32)
-
-        peers[f"llama.cpp {gguf.name}"] = llama
+        peers[f"llama.cpp {gguf.name}"] = LlamaCpp(gguf, 2, n_ctx=2048, logits_all=True).logits
     for item in args.ort_genai:
-        import onnxruntime_genai as og
-
         name, _, path = item.partition("=")
-        model = og.Model(path)
-
-        def genai(window: list[int], model=model) -> np.ndarray:
-            params = og.GeneratorParams(model)
-            params.set_search_options(max_length=len(window) + 1)
-            generator = og.Generator(model, params)
-            generator.append_tokens(window)
-            return np.asarray(generator.get_output("logits"))[0]
-
-        peers[f"ORT GenAI {name}"] = genai
+        peers[f"ORT GenAI {name}"] = OrtGenAI(Path(path), 2).logits
     print(f"against {args.engine} (fp32) on the bundled Wikipedia sample; windows of real text, every position\n")
     print("| engine | " + " | ".join(f"top-1 / ppl delta, {n} at {o}" for o, n in WINDOWS) + " | worst top-1 |")
     print("|---|" + "---|" * (len(WINDOWS) + 1))
@@ -95,8 +63,9 @@ def main() -> None:
         cells, worst = [], 1.0
         for window, ref in references:
             out = run(window)
-            top1 = float((ref.argmax(-1) == out.argmax(-1)).mean())
-            delta = perplexity(out, window) / perplexity(ref, window) - 1
+            top1 = top1_agreement(ref, out)
+            tokens, mask = np.array([window]), np.ones((1, len(window)), np.int64)
+            delta = perplexity(out[None], tokens, mask) / perplexity(ref[None], tokens, mask) - 1
             worst = min(worst, top1)
             cells.append(f"{top1:.2%} / {delta:+.2%}")
         print(f"| {name} | " + " | ".join(cells) + f" | {worst:.2%} |", flush=True)

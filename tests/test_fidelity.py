@@ -65,12 +65,12 @@ def test_sentence_metrics_are_checked_only_where_the_target_asks():
                                                                               min_mean_cosine=0.999)
 
 
-def test_neighbour_agreement_counts_shared_top10_neighbours():
-    from trtserve.precision.measure import _neighbour_agreement
+def testneighbour_agreement_counts_shared_top10_neighbours():
+    from trtserve.precision.measure import neighbour_agreement
 
     x = np.random.default_rng(0).standard_normal((40, 8))
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    assert _neighbour_agreement(x, x) == 1.0
+    assert neighbour_agreement(x, x) == 1.0
     y = np.random.default_rng(1).standard_normal((40, 8))
     y /= np.linalg.norm(y, axis=1, keepdims=True)
-    assert _neighbour_agreement(x, y) < 0.6
+    assert neighbour_agreement(x, y) < 0.6

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtserve.errors import TrtServeError
+from trtserve.precision.policy import POLICIES
 
 PRESETS = Path(__file__).parent / "presets"
 BACKENDS = ("torch", "onnxruntime", "fp16-emulation", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4")
-MIXED = ("fp16", "hybrid", "auto")  # the fp16 policies, whose GPU arithmetic fp16 emulation predicts
+PRECISIONS = tuple(POLICIES)  # every policy build-engine takes
+MIXED = tuple(name for name, p in POLICIES.items() if p.anchors)  # the fp16 ones: what fp16 emulation predicts
 INPUTS = ("real", "random")
 
 

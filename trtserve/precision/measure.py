@@ -266,12 +266,12 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
     head = train_head(ref[train], labels[train])
     return {"data": f"{len(texts)} Pang & Lee polarity sentences ({POLARITY_FILE}, gensim)",
             "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min()) if np.isfinite(ours).all() else float("nan"),
-            "neighbours": _neighbour_agreement(unit(ref), unit(ours)),
+            "neighbours": neighbour_agreement(unit(ref), unit(ours)),
             "sentiment_flips": int(np.sum(predict(head, ref[test]) != predict(head, ours[test]))),
             "sentiment_held_out": int(len(test))}
 
 
-def _neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
+def neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
     """Mean share of each sentence's top-10 neighbours (by cosine, itself excluded) that both agree on."""
     k = min(NEIGHBOURS, len(a) - 1)
     tops = []
