@@ -141,6 +141,47 @@ def test_prompt_logprobs_through_the_slots_equal_the_padded_path(tiny):
         assert [t for t, _ in top] == [t for t, _ in want_top]
 
 
+def test_newcomers_join_while_others_prefill_and_the_oldest_is_fed_first(tiny):
+    backend = OrtBackend(tiny, threads=1)
+    rng = np.random.default_rng(8)
+    batcher = SlotBatcher(backend, {95}, 4, 4096, max_prefill_tokens=8)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    batcher.add("a", list(rng.integers(0, 96, 20)), params)
+    batcher.step()
+    assert [s.length for s in batcher.table] == [8]  # the whole budget to the only newcomer
+    batcher.add("b", list(rng.integers(0, 96, 20)), params)
+    batcher.step()  # b is admitted though a is still prefilling; a, the oldest, takes the budget
+    assert [(s.id, s.length) for s in batcher.table] == [("a", 16), ("b", 0)]
+    events = batcher.step()  # a's last 4 tokens and b's first 4 (rows x width within the budget), then a decodes
+    assert [(s.id, s.length) for s in batcher.table] == [("a", 21), ("b", 4)] and batcher.d == 1
+    assert [e.id for e in events] == ["a", "a"]
+
+
+def test_prompt_logprobs_are_right_when_fed_behind_others_and_after_a_cancel(tiny):
+    backend = OrtBackend(tiny, threads=1)
+    rng = np.random.default_rng(9)
+    prompt, other = list(rng.integers(0, 96, 11)), list(rng.integers(0, 96, 17))
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    want = []
+    alone = ContinuousBatcher(backend, {95}, 2, 4096)
+    alone.add("s", prompt, scored)
+    while alone.has_work():
+        want += alone.step()
+    batcher = SlotBatcher(backend, {95}, 3, 4096, max_prefill_tokens=4)
+    batcher.add("gone", other, scored)
+    batcher.step()
+    batcher.cancel("gone")  # its prompt logits so far must not reach the next scored sequence
+    batcher.add("x", other, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    batcher.step()
+    batcher.add("s", prompt, scored)
+    got = []
+    while batcher.has_work():
+        got += [e for e in batcher.step() if e.id == "s"]
+    assert got[0].token == want[0].token and len(got[0].prompt_logprobs) == len(prompt)
+    for (token, logprob, _), (want_token, want_logprob, _) in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
+        assert token == want_token and logprob == pytest.approx(want_logprob, abs=1e-4)
+
+
 def test_a_row_too_close_to_the_end_of_its_cache_is_fed_alone(tiny):
     backend = OrtBackend(tiny, threads=1)
     slots = backend.kv_slots(2)

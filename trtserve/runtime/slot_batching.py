@@ -1,11 +1,13 @@
 """Continuous batching over sequence slots (runtime.kv_slots): each sequence owns one slot of the KV
 buffers and its cache grows in place. Slots [0, d) hold the sequences being decoded and [d, n) the
-newcomers being prefilled, so every call covers only rows that have work: one call per step feeds the
-newcomers one chunk of their prompts (at most `max_prefill_tokens` padded tokens across them,
-right-padded), then one call decodes a token for each of [0, d). A newcomer whose prompt is in swaps
-into slot d and joins the next decode call, without waiting for the others; a sequence that ends
-gives its slot to the last decoding one, whose slot goes to the last newcomer (at most two sequences'
-rows copied, nobody else's). Scheduling, sampling and finish rules are the ContinuousBatcher's."""
+newcomers being prefilled, so every call covers only rows that have work. Newcomers are admitted every
+step as slots free up, and each step feeds them one chunk (at most `max_prefill_tokens` padded tokens),
+first come first served: the oldest newcomer gets up to the whole budget and the next ones join at its
+width while the padded total stays within it, so a prompt's first token waits for the prompts before
+it, not for a whole wave of them. One call then decodes a token for each of [0, d). A newcomer whose
+prompt is in swaps into slot d and joins that decode call; a sequence that ends gives its slot to the
+last decoding one, whose slot goes to the last newcomer (at most two sequences' rows copied, nobody
+else's). Scheduling of the waiting queue, sampling and finish rules are the ContinuousBatcher's."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class SlotBatcher(ContinuousBatcher):
         self.table: list[Sequence] = []  # slot -> its sequence; no holes
         self.d = 0  # slots [0, d) decode, [d, len(table)) are being prefilled
         self.scored: list[np.ndarray] = []  # prompt logits so far of a sequence that asked for them
+        self.scored_id: str | None = None  # whose they are (a cancelled sequence leaves its own behind)
         self.prefix_cache = None  # runtime/prefix_cache.PrefixCache, where the worker set one
 
     def decoding(self) -> list[Sequence]:
@@ -57,16 +60,32 @@ class SlotBatcher(ContinuousBatcher):
         return bool(rows)
 
     def step(self) -> list[Event]:
-        if not self.prefilling:
-            for seq in self._admit():
-                seq.length = 0
-                self.slots.clear(len(self.table))
-                if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
-                    seq.length = self.prefix_cache.load(self.slots, len(self.table), seq.prompt)
-                self.table.append(seq)
+        for seq in self._admit():  # every step, as slots free up: a newcomer waits for no other's prefill
+            seq.length = 0
+            self.slots.clear(len(self.table))
+            if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+                seq.length = self.prefix_cache.load(self.slots, len(self.table), seq.prompt)
+            self.table.append(seq)
         self.newcomers = self.table[self.d:]
         events = self._prefill_chunk() if self.newcomers else []
         return events + (self._decode_rows() if self.d else [])
+
+    def _chunk(self, left: list[int]) -> tuple[int, int]:
+        """(rows, width) of this step's prefill call over the first newcomers, first come first served: the
+        oldest gets up to the whole budget, and the next ones join while rows x width stays within it. A
+        sequence that wants its prompt's logprobs is fed alone."""
+        seqs = self.table[self.d:]
+        if seqs[0].params.prompt_logprobs is not None:
+            return 1, min(left[0], self.max_prefill_tokens or left[0])
+        if not self.max_prefill_tokens:  # the whole prefill of every newcomer in one call
+            rows = next((i for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None), len(seqs))
+            return rows, max(left[:rows])
+        width = min(left[0], self.max_prefill_tokens)
+        rows = 1
+        while rows < len(seqs) and seqs[rows].params.prompt_logprobs is None \
+                and (rows + 1) * width <= self.max_prefill_tokens:
+            rows += 1
+        return rows, width
 
     def _call(self, first: int, ids: np.ndarray, counts: np.ndarray, index: np.ndarray, seqs: list[Sequence]):
         """One call over slots [first, first + len(ids)); on failure its sequences end with the error."""
@@ -78,20 +97,21 @@ class SlotBatcher(ContinuousBatcher):
             return None, [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
 
     def _prefill_chunk(self) -> list[Event]:
-        first, seqs = self.d, self.table[self.d:]
-        left = [len(s.prompt) - s.length for s in seqs]
-        budget = self.max_prefill_tokens or len(seqs) * max(left)
-        width = min(max(left), max(1, budget // len(seqs)))
-        ids = np.full((len(seqs), width), self.pad_id, dtype=np.int64)
-        counts = np.minimum(width, left)
+        first = self.d
+        left = [len(s.prompt) - s.length for s in self.table[first:]]
+        rows, width = self._chunk(left)
+        seqs = self.table[first:first + rows]
+        ids = np.full((rows, width), self.pad_id, dtype=np.int64)
+        counts = np.minimum(width, left[:rows])
         for row, s in enumerate(seqs):
             ids[row, :counts[row]] = s.prompt[s.length:s.length + counts[row]]
-        scored = seqs[0].params.prompt_logprobs if len(seqs) == 1 else None
+        scored = seqs[0].params.prompt_logprobs
+        if scored is not None and self.scored_id != seqs[0].id:  # its first chunk
+            self.scored, self.scored_id = [], seqs[0].id
         last = (counts - 1)[:, None]
         index = np.minimum(np.arange(width)[None, :], last) if scored is not None else last
         logits, events = self._call(first, ids, counts, index, seqs)
         if logits is None:
-            self.scored = []
             return events
         done = []
         for row, s in enumerate(seqs):
@@ -109,7 +129,7 @@ class SlotBatcher(ContinuousBatcher):
         events = self._choose([s for s, _ in done], np.stack([row for _, row in done]))
         if scored is not None:
             self._score_prompt(events, done[0][0], np.concatenate(self.scored), scored)
-            self.scored = []
+            self.scored, self.scored_id = [], None
         return events
 
     def _decode_rows(self) -> list[Event]:

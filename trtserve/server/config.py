@@ -20,7 +20,7 @@ class ServerConfig(Settings):
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch, rows x longest row (decoders: "
                                   "per prefill of newcomers; at least the engine's max sequence)")
     max_num_seqs: int = Field(16, ge=1, description="decoders: sequences in the running batch (continuous batching)")
-    max_prefill_tokens: int = Field(256, ge=0, description="decoders: padded prompt tokens prefilled per step, in "
+    max_prefill_tokens: int = Field(128, ge=0, description="decoders: padded prompt tokens prefilled per step, in "
                                     "chunks between decode steps so newcomers do not stall running streams (0: each "
                                     "prefill in one call)")
     prefix_cache_mib: int = Field(256, ge=0, description="decoders: MiB per worker for the KV rows of prompt "
