@@ -5,6 +5,11 @@ with the first engine's.
 
     .venv/bin/python benchmarks/bench_decode.py --engine fp32=engines/smollm2 --engine gguf=engines/smollm2-gguf
         [--llama-cpp] [--ort-genai fp32=DIR ...] [--rounds 7] [--prompt 128] [--tokens 64] [--threads 2]
+        [--sequences 16]
+
+With --sequences N, N prompts (different real text, one length) run at once, end to end: trtserve on the
+batcher its server runs, ONNX Runtime GenAI as one batch of its greedy search (llama.cpp's batching is
+measured as a server instead, in benchmarks/bench_serving.py).
 
 The peers are not dependencies: `--llama-cpp` needs `llama_cpp` (llama-cpp-python, benchmarks/setup_llama_cpp.sh)
 importable, `--ort-genai` needs `onnxruntime_genai` and a model its builder wrote (benchmarks/setup_ort_genai.sh).
@@ -44,6 +49,25 @@ class Ours:
                     out.append(int(event.token))
                     first = first or time.perf_counter()
         return time.perf_counter() - first, out
+
+    def run_many(self, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+        """(seconds from the start to the last token, each sequence's greedy ids): every prompt at once on the
+        batcher the server runs, with the server's default prefill chunk."""
+        from trtserve.runtime.sampling import SamplingParams
+        from trtserve.runtime.slot_batching import make_batcher
+        from trtserve.server.config import ServerConfig
+
+        started = time.perf_counter()
+        batcher = make_batcher(self.text.backend, self.text.eos_ids, len(prompts), 1 << 20, self.text.pad_id,
+                               ServerConfig.model_fields["max_prefill_tokens"].default)
+        for i, prompt in enumerate(prompts):
+            batcher.add(str(i), prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        out = [[] for _ in prompts]
+        while batcher.has_work():
+            for event in batcher.step():
+                if event.token >= 0:
+                    out[int(event.id)].append(int(event.token))
+        return time.perf_counter() - started, out
 
 
 class LlamaCpp:
@@ -98,6 +122,21 @@ class OrtGenAI:
             first = first or time.perf_counter()
         return time.perf_counter() - first, out
 
+    def run_many(self, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+        """The prompts (all of one length) as one batch of its greedy search."""
+        started = time.perf_counter()
+        params = self.og.GeneratorParams(self.model)
+        length = len(prompts[0]) + tokens
+        params.set_search_options(batch_size=len(prompts), max_length=length, min_length=length, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.array(prompts, np.int32))
+        out = [[] for _ in prompts]
+        while len(out[0]) < tokens and not generator.is_done():
+            generator.generate_next_token()
+            for row, token in enumerate(np.asarray(generator.get_next_tokens()).ravel()):
+                out[row].append(int(token))
+        return time.perf_counter() - started, out
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """(S, V) next-token logits of every position of one prompt pass."""
         params = self.og.GeneratorParams(self.model)
@@ -128,6 +167,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sequences", type=int, default=1,
+                        help="above 1: that many prompts at once (different real text, one length), end to end")
     args = parser.parse_args()
     engines = {}
     for item in args.engine:
@@ -143,6 +184,8 @@ def main() -> None:
     for item in args.ort_genai:
         name, _, path = item.partition("=")
         engines[f"ORT GenAI {name}"] = OrtGenAI(Path(path), args.threads)
+    if args.sequences > 1:
+        return many(engines, first, args)
     for engine in engines.values():
         engine.run(prompt, 8)  # warm-up
     times = {name: [] for name in engines}
@@ -161,6 +204,34 @@ def main() -> None:
     for name in engines:
         print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[base]:.2f}x | "
               f"first {agreement(tokens[base], tokens[name])} of {args.tokens} |")
+
+
+def many(engines: dict, first: Ours, args) -> None:
+    """`args.sequences` prompts at once, end to end (prefill included): generated tok/s."""
+    from trtserve.models.loading import load_hf_tokenizer
+    from trtserve.precision.measure import Corpus
+
+    if any(isinstance(e, LlamaCpp) for e in engines.values()):
+        raise SystemExit("--llama-cpp runs one sequence; llama.cpp's batching is measured as a server "
+                         "(benchmarks/bench_serving.py --llama-server)")
+    tokenizer = load_hf_tokenizer(first.text.backend.engine.path)
+    prompts = Corpus.wikipedia().rows(tokenizer, args.sequences, args.prompt, special=False)
+    for engine in engines.values():
+        engine.run_many(prompts[:2], 4)  # warm-up
+    times, tokens = {name: [] for name in engines}, {}
+    for r in range(args.rounds):
+        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            seconds, tokens[name] = engines[name].run_many(prompts, args.tokens)
+            times[name].append(seconds)
+    base = next(iter(engines))
+    rate = {name: args.sequences * args.tokens / statistics.median(t) for name, t in times.items()}
+    print(f"{args.sequences} sequences at once, {args.prompt}-token real prompts, {args.tokens} greedy tokens each, "
+          f"{args.threads} threads, end to end (prefill included), median of {args.rounds} interleaved rounds")
+    print(f"| engine | generated tok/s | vs {base} | sequences with {base}'s greedy tokens, all {args.tokens} |")
+    print("|---|---|---|---|")
+    for name in engines:
+        same = sum(a == b for a, b in zip(tokens[base], tokens[name]))
+        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[base]:.2f}x | {same} of {args.sequences} |")
 
 
 if __name__ == "__main__":
