@@ -3,7 +3,7 @@
 # built from the llama.cpp sources inside the llama-cpp-python 0.3.36 source release (the same llama.cpp as
 # benchmarks/setup_llama_cpp.sh's), for the host's vector extensions, without its web UI, into
 # $TRTSERVE_CACHE/peers/llama-server (default ~/.cache/trtserve), the binary at bin/llama-server. A benchmark-only binary, never a
-# dependency of trtserve. About 15 minutes on 2 cores.
+# dependency of trtserve. About 15 to 20 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/llama_cpp_flags.sh
