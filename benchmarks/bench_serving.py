@@ -21,14 +21,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.server_process import free_port, start_server, stop_server  # noqa: E402  (the tests' start/stop)
+from tests.server_process import free_port, launch, start_server, stop_server  # noqa: E402  (the tests' start/stop)
 
 MODEL = "SmolLM2-135M-Instruct"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -44,25 +41,9 @@ def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int, conte
     """llama-server on a free port, `slots` sequences of `context` tokens each, the plain CPU path (no
     repacked weights: their AMX path crashes on some VMs); (process, url) once /health answers."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                             "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * context),
-                             "--no-repack", "-ngl", "0", "--alias", MODEL],
-                            stdout=log, stderr=subprocess.STDOUT)
-    proc.log_path = Path(log.name)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(proc.log_path.read_text()[-3000:])
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("llama-server did not become healthy in 120 s")
+    return launch([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                   "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * context),
+                   "--no-repack", "-ngl", "0", "--alias", MODEL], port, name="llama-server")
 
 
 def guidellm(binary: Path, url: str, tokenizer: Path, prompt: int, output: int, streams: list[int], seconds: float,

@@ -22,16 +22,23 @@ def free_port() -> int:
 def start_server(engine, *flags, env: dict | None = None):
     """`env`: the server's whole environment (its worker processes inherit it); None: this one's."""
     port = free_port()
+    return launch([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags], port,
+                  env=env, name="trtserve-server")
+
+
+def launch(argv: list, port: int, env: dict | None = None, name: str = "server"):
+    """Start a server that listens on `port` (its output to a log file, `proc.log_path`); (process, url) once
+    its /health answers 200, within 120 s."""
     # The log goes to a file: an unread pipe fills up after a few hundred access-log lines and
     # then blocks the server.
-    log = tempfile.NamedTemporaryFile("w+", prefix="trtserve-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     proc.log_path = Path(log.name)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
-        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} exited: " + proc.log_path.read_text()[-3000:])
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
@@ -39,7 +46,7 @@ def start_server(engine, *flags, env: dict | None = None):
             pass
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError("the server did not become healthy in 120 s")
+    raise AssertionError(f"{name} did not become healthy in 120 s")
 
 
 def stop_server(proc):
