@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--guidellm", type=Path, default=None, help="default: benchmarks/setup_guidellm.sh's")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--shape", nargs="+", default=["128/64", "512/128"], help="prompt/output tokens")
-    parser.add_argument("--seconds", type=float, default=60.0, help="measured per concurrency, after 5 s of warm-up")
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="each concurrency's run; its first 5 s are a warm-up, not counted")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=32, help="trtserve's; llama-server gets as many slots")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-serving-")))
