@@ -219,6 +219,43 @@ def test_buffers_grow_as_the_longest_sequence_needs_and_keep_every_row(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_kept_bindings_follow_moves_and_growth_and_leave_returned_logits_alone(tiny):
+    from trtserve.runtime.kv_slots import KVSlots
+
+    rng = np.random.default_rng(8)
+    prompts = rng.integers(0, 96, (3, 12))
+
+    def scenario(slots, fresh):
+        out = []
+
+        def run(*args):
+            if fresh:
+                slots._bindings.clear()  # a new IOBinding for every call
+            out.append(slots.run(*args))
+            return out[-1].copy()
+
+        run(0, prompts[:, :3], np.array([3, 3, 3]), np.array([[2], [2], [2]]))
+        for t in range(3, 6):
+            run(0, prompts[:, t:t + 1], np.ones(3, np.int64), np.zeros((3, 1), np.int64))
+        first = out[0].copy()
+        slots.swap(0, 2)
+        run(1, prompts[1:, 6:7], np.ones(2, np.int64), np.zeros((2, 1), np.int64))  # rows 1..2: prompt 1, prompt 0
+        chunk = np.zeros((3, 5), np.int64)
+        chunk[0], chunk[1:, 0] = prompts[0, 7:12], prompts[1:, 7]
+        run(0, chunk, np.array([5, 1, 1]), np.array([[4], [0], [0]]))  # slot 0 grows past 8 rows: new buffers
+        slots.move(1, 0)
+        run(0, prompts[:1, 11:12], np.ones(1, np.int64), np.zeros((1, 1), np.int64))
+        np.testing.assert_array_equal(out[0], first)  # later calls wrote into their own arrays
+        assert slots.allocated == 16
+        return out
+
+    kept = scenario(KVSlots(tiny, 3, threads=1, initial=8), fresh=False)
+    fresh = scenario(KVSlots(tiny, 3, threads=1, initial=8), fresh=True)
+    assert len(kept) == len(fresh) == 7
+    for a, b in zip(kept, fresh):
+        np.testing.assert_array_equal(a, b)
+
+
 def _one_by_one(batcher, prompts):
     out = []
     for i, p in enumerate(prompts):

@@ -11,6 +11,7 @@ import numpy as np
 from trtserve.errors import InputError
 
 KV_GRAPH = "model.kv.onnx"
+_BINDINGS_KEPT = 64  # slot ranges with a binding kept (the batcher uses a few: its slots are packed at the front)
 QUERY_LENS, SEQLENS, TOTAL, LOGIT_INDEX = "query_seqlens", "seqlens_k", "total_sequence_length", "logit_index"
 
 
@@ -44,6 +45,10 @@ class KVSlots:
         self.allocated = min(initial, self.capacity)  # the buffers' length axis now
         self.buffers = {n: np.zeros((slots, shapes[n][1], self.allocated, shapes[n][3]), np.float32) for n in self.names}
         self.length = np.zeros(slots, np.int64)  # tokens cached per slot
+        self.vocab = engine.manifest["model"]["architecture"]["vocab_size"]  # the logits' last axis
+        # IOBinding per slot range with the buffers bound as past and present: binding 4 tensors per layer costs
+        # about 1 ms a call in Python, so a decode step rebinds only its small inputs and the logits.
+        self._bindings: dict[tuple[int, int], object] = {}
 
     def _grow(self, need: int) -> None:
         """Longer buffers (doubling, at most the engine's context), every slot's cached rows copied over."""
@@ -56,6 +61,7 @@ class KVSlots:
             new[:, :, :self.allocated] = old
             self.buffers[name] = new
         self.allocated = size
+        self._bindings.clear()  # they point at the old buffers
 
     def run(self, first: int, ids: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
         """Feed slots [first, first + B) their new tokens: ids (B, S) right-padded, counts (B,) real tokens per
@@ -73,21 +79,31 @@ class KVSlots:
             return self._row_by_row(first, ids, counts, logit_index)  # the padded chunk would not fit a row
         if int((before + width).max()) > self.allocated:
             self._grow(int((before + width).max()))
-        binding = self.session.io_binding()
+        binding = self._binding(first, rows)
         feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), QUERY_LENS: counts.astype(np.int32),
                  SEQLENS: (after - 1).astype(np.int32), TOTAL: np.array(max(int(after.max()), width), np.int32),
                  LOGIT_INDEX: np.ascontiguousarray(logit_index, np.int64)}
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        binding.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
-        for name in self.names:
-            view = self.buffers[name][first:first + rows]  # contiguous: slots are the leading axis
-            binding.bind_input(name, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
-            binding.bind_output("present." + name[len("past_key_values."):], "cpu", 0, np.float32, list(view.shape),
-                                view.ctypes.data)
+        logits = np.empty((rows, logit_index.shape[1], self.vocab), np.float32)  # ONNX Runtime writes it
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(binding)
         self.length[first:first + rows] = after
-        return binding.get_outputs()[0].numpy()  # the logits alone: the presents are the buffers
+        return logits  # the logits alone: the presents are the buffers
+
+    def _binding(self, first: int, rows: int):
+        """The IOBinding of slots [first, first + rows) with their buffers bound as past and present."""
+        binding = self._bindings.get((first, rows))
+        if binding is None:
+            if len(self._bindings) >= _BINDINGS_KEPT:
+                self._bindings.clear()
+            binding = self._bindings[(first, rows)] = self.session.io_binding()
+            for name in self.names:
+                view = self.buffers[name][first:first + rows]  # contiguous: slots are the leading axis
+                binding.bind_input(name, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+                binding.bind_output("present." + name[len("past_key_values."):], "cpu", 0, np.float32,
+                                    list(view.shape), view.ctypes.data)
+        return binding
 
     def _row_by_row(self, first: int, ids: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
         """The same call one row at a time, each with its own tokens unpadded (a row near the end of its cache
