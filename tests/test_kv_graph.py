@@ -219,6 +219,36 @@ def test_buffers_grow_as_the_longest_sequence_needs_and_keep_every_row(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _resident_bytes(address: int) -> int:
+    """Resident bytes of the mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_memory_follows_the_cached_rows_not_slots_times_length(tiny):
+    from trtserve.runtime.kv_slots import KVSlots
+
+    slots = KVSlots(tiny, 64, threads=1, initial=4)
+    prompt = np.random.default_rng(9).integers(0, 96, (1, 40))
+    for start in range(0, 40, 10):  # one sequence in slot 0 grows the buffers 4 -> 64 rows
+        slots.run(0, prompt[:, start:start + 10], np.array([10]), np.array([[9]]))
+    assert slots.allocated == CAPACITY
+    page = __import__("mmap").PAGESIZE
+    for buffer in slots.buffers.values():
+        assert buffer.nbytes >= 64 * page  # 64 slots x 2 heads x 64 rows x 16 x 4 bytes
+        # slot 0's rows: one page per head at most; the 63 idle slots hold none
+        assert _resident_bytes(buffer.ctypes.data) <= 2 * page, "idle slots' rows were written"
+
+
 def test_kept_bindings_follow_moves_and_growth_and_leave_returned_logits_alone(tiny):
     from trtserve.runtime.kv_slots import KVSlots
 
