@@ -1,7 +1,7 @@
 """Resident memory of a worker's decode path holding sequences: the engine loaded as a server worker loads
 it (its backend and the slot batcher's KV slots), then `--sequences` sequences of `--tokens` random ids fed
 into the first slots in chunks of `--chunk`; prints the process's resident set (VmRSS) after loading and
-after filling, and the bytes of cached rows themselves.
+after filling and once the sequences ended, and the bytes of cached rows themselves.
 
     .venv/bin/python benchmarks/kv_memory.py --engine engines/smollm2-int4 --slots 16 --sequences 1 --tokens 2000
 """
@@ -52,10 +52,13 @@ def main() -> None:
             part = ids[start:start + args.chunk][None]
             slots.run(slot, part, np.array([part.shape[1]]), np.array([[part.shape[1] - 1]]))
     filled = resident_mb()
+    for slot in range(args.sequences):
+        slots.clear(slot)  # the sequences end
+    ended = resident_mb()
     rows = sum(b[0, :, :1].nbytes for b in slots.buffers.values()) * args.sequences * args.tokens / 2**20
     print(f"engine {args.engine}, {args.slots} slots, {args.sequences} sequences x {args.tokens} tokens")
     print(f"resident: {started:.0f} MiB before loading, {loaded:.0f} MiB loaded, {filled:.0f} MiB filled "
-          f"(+{filled - loaded:.0f} MiB; the cached rows are {rows:.0f} MiB)")
+          f"(+{filled - loaded:.0f} MiB; the cached rows are {rows:.0f} MiB), {ended:.0f} MiB once they ended")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ def kv_graph_of(engine) -> str | None:
     return entry.get("file") if entry.get("file") == KV_GRAPH and engine.file(KV_GRAPH).is_file() else None
 
 
-def _zeros(shape: tuple) -> np.ndarray:
-    """float32 zeros in an anonymous mapping of their own: the OS gives a page memory only when it is written,
-    whatever malloc's thresholds (glibc serves a buffer of a size it has freed before from its heap, zeroing,
-    and so touching, every page). Unmapped when the array goes."""
+def _zeros(shape: tuple) -> tuple[np.ndarray, mmap.mmap]:
+    """float32 zeros in an anonymous mapping of their own, and the mapping: the OS gives a page memory only when
+    it is written, whatever malloc's thresholds (glibc serves a buffer of a size it has freed before from its
+    heap, zeroing, and so touching, every page). Unmapped when the array and the mapping go."""
     count = int(np.prod(shape))
-    return np.frombuffer(mmap.mmap(-1, max(4 * count, 1)), np.float32, count=count).reshape(shape)
+    mapping = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, np.float32, count=count).reshape(shape), mapping
 
 
 class KVSlots:
@@ -53,7 +54,9 @@ class KVSlots:
         self.names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         shapes = {i.name: i.shape for i in session.get_inputs()}
         self.allocated = min(initial, self.capacity)  # the buffers' length axis now
-        self.buffers = {n: _zeros((slots, shapes[n][1], self.allocated, shapes[n][3])) for n in self.names}
+        self.buffers, self._mappings = {}, {}
+        for n in self.names:
+            self.buffers[n], self._mappings[n] = _zeros((slots, shapes[n][1], self.allocated, shapes[n][3]))
         self.length = np.zeros(slots, np.int64)  # tokens cached per slot
         self.vocab = engine.manifest["model"]["architecture"]["vocab_size"]  # the logits' last axis
         # IOBinding per slot range with the buffers bound as past and present: binding 4 tensors per layer costs
@@ -71,7 +74,7 @@ class KVSlots:
         size = min(size, self.capacity)
         live = [(int(slot), int(self.length[slot])) for slot in np.flatnonzero(self.length)]
         for name, old in self.buffers.items():
-            new = _zeros(old.shape[:2] + (size,) + old.shape[3:])
+            new, self._mappings[name] = _zeros(old.shape[:2] + (size,) + old.shape[3:])
             for slot, n in live:
                 new[slot, :, :n] = old[slot, :, :n]
             self.buffers[name] = new
@@ -133,10 +136,13 @@ class KVSlots:
 
     def move(self, source: int, target: int) -> None:
         """Slot `source`'s sequence into slot `target` (its cached rows only)."""
+        if source == target:
+            return
         n = int(self.length[source])
         for buffer in self.buffers.values():
             buffer[target, :, :n] = buffer[source, :, :n]
-        self.length[target], self.length[source] = n, 0
+        self.length[target] = n
+        self.clear(source)
 
     def swap(self, a: int, b: int) -> None:
         """Exchange two slots' sequences (their cached rows only)."""
@@ -148,7 +154,18 @@ class KVSlots:
         self.length[a], self.length[b] = m, n
 
     def clear(self, slot: int) -> None:
+        """Empty `slot` and give its pages back to the OS (they read as zeros again), so a worker's memory
+        follows the tokens it holds now, not the most it ever held."""
+        if self.length[slot] == 0:
+            return
         self.length[slot] = 0
+        for name, buffer in self.buffers.items():
+            base, row = self._mappings[name], buffer[slot]  # contiguous: slots are the leading axis
+            offset = row.ctypes.data - buffer.ctypes.data
+            start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the slot's rows only
+            stop = (offset + row.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if stop > start:
+                base.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def read(self, slot: int, start: int, stop: int) -> dict[str, np.ndarray]:
         """A copy of `slot`'s cached rows [start, stop): past name -> (Hkv, stop - start, D)."""
