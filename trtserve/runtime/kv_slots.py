@@ -23,10 +23,16 @@ def kv_graph_of(engine) -> str | None:
     return entry.get("file") if entry.get("file") == KV_GRAPH and engine.file(KV_GRAPH).is_file() else None
 
 
-def _zeros(shape: tuple) -> tuple[np.ndarray, mmap.mmap]:
-    """float32 zeros in an anonymous mapping of their own, and the mapping: the OS gives a page memory only when
-    it is written, whatever malloc's thresholds (glibc serves a buffer of a size it has freed before from its
-    heap, zeroing, and so touching, every page). Unmapped when the array and the mapping go."""
+_RELEASABLE = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_DONTNEED")  # POSIX (Linux, macOS)
+
+
+def _zeros(shape: tuple) -> tuple[np.ndarray, mmap.mmap | None]:
+    """float32 zeros in a private anonymous mapping of their own, and the mapping: the OS gives a page memory
+    only when it is written, whatever malloc's thresholds (glibc serves a buffer of a size it has freed before
+    from its heap, zeroing, and so touching, every page). Unmapped when the array and the mapping go. Plain
+    zeros (no mapping) where the platform has no private mappings."""
+    if not _RELEASABLE:
+        return np.zeros(shape, np.float32), None
     count = int(np.prod(shape))
     mapping = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(mapping, np.float32, count=count).reshape(shape), mapping
@@ -164,7 +170,7 @@ class KVSlots:
             offset = row.ctypes.data - buffer.ctypes.data
             start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the slot's rows only
             stop = (offset + row.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if stop > start:
+            if stop > start and base is not None:
                 base.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def read(self, slot: int, start: int, stop: int) -> dict[str, np.ndarray]:
