@@ -45,9 +45,8 @@ def main() -> None:
         sys.exit(f"{args.engine} has no decode graph")
     loaded = resident_mb()
     rng = np.random.default_rng(0)
-    vocab = text.backend.engine.manifest["model"]["architecture"]["vocab_size"]
     for slot in range(args.sequences):
-        ids = rng.integers(0, vocab, args.tokens)
+        ids = rng.integers(0, slots.vocab, args.tokens)
         for start in range(0, args.tokens, args.chunk):
             part = ids[start:start + args.chunk][None]
             slots.run(slot, part, np.array([part.shape[1]]), np.array([[part.shape[1] - 1]]))

@@ -116,27 +116,13 @@ def main() -> None:
               ("random ids, 1,024 tokens in chunks of 128", rng.integers(0, vocab, 1024), 128)]
     with tempfile.TemporaryDirectory() as tmp:
         int8_graph(engine.file(KV_GRAPH), Path(tmp) / KV_GRAPH, largest)
-        quantized = KVSlots(engine, 1, session=session(Path(tmp) / KV_GRAPH, args.threads), initial=2048)
-        quantized.buffers = {n: np.zeros(b.shape[:2] + (2048,) + b.shape[3:], np.int8)
-                             for n, b in quantized.buffers.items()}  # KVSlots binds float32: bound here as int8
-        quantized.allocated = 2048
-        quantized._binding = lambda first, rows: _int8_binding(quantized, first, rows)
+        quantized = KVSlots(engine, 1, session=session(Path(tmp) / KV_GRAPH, args.threads))  # int8 buffers
         print(f"engine {args.engine}: int8 KV cache, one static scale per head and channel, against the fp32 cache")
         print("| window | top-1 agreement | perplexity change | mean KL |")
         print("|---|---:|---:|---:|")
         for label, window, chunk in shapes:
             top1, ppl, kl = compare(feed(reference, window, chunk), feed(quantized, window, chunk), window)
             print(f"| {label} | {top1:.2%} | {ppl:+.2%} | {kl:.2e} |")
-
-
-def _int8_binding(slots, first: int, rows: int):
-    binding = slots.session.io_binding()
-    for name in slots.names:
-        view = slots.buffers[name][first:first + rows]
-        binding.bind_input(name, "cpu", 0, np.int8, list(view.shape), view.ctypes.data)
-        binding.bind_output("present." + name[len("past_key_values."):], "cpu", 0, np.int8, list(view.shape),
-                            view.ctypes.data)
-    return binding
 
 
 if __name__ == "__main__":

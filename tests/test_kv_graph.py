@@ -5,6 +5,8 @@ batcher gives the padded batcher's tokens, chunked or not, with sequences joinin
 from __future__ import annotations
 
 import json
+import mmap
+import os
 
 import numpy as np
 import onnx
@@ -221,7 +223,6 @@ def test_buffers_grow_as_the_longest_sequence_needs_and_keep_every_row(tiny):
 
 def _resident_bytes(array: np.ndarray) -> int:
     """Bytes of the pages under `array` that are in memory, from /proc/self/pagemap (bit 63 of each page's entry)."""
-    import mmap
     import struct
 
     first = array.ctypes.data // mmap.PAGESIZE
@@ -232,7 +233,7 @@ def _resident_bytes(array: np.ndarray) -> int:
     return sum(entry >> 63 for entry in entries) * mmap.PAGESIZE
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
 def test_memory_follows_the_cached_rows_not_slots_times_length(tiny):
     from trtserve.runtime.kv_slots import KVSlots
 
@@ -241,7 +242,7 @@ def test_memory_follows_the_cached_rows_not_slots_times_length(tiny):
     for start in range(0, 40, 10):  # one sequence in slot 0 grows the buffers 4 -> 64 rows
         slots.run(0, prompt[:, start:start + 10], np.array([10]), np.array([[9]]))
     assert slots.allocated == CAPACITY
-    page = __import__("mmap").PAGESIZE
+    page = mmap.PAGESIZE
     for buffer in slots.buffers.values():
         assert buffer.nbytes >= 64 * page  # 64 slots x 2 heads x 64 rows x 16 x 4 bytes
         # slot 0's rows: one page per head at most; the 63 idle slots hold none

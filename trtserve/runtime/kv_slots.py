@@ -14,6 +14,7 @@ from trtserve.errors import InputError
 
 KV_GRAPH = "model.kv.onnx"
 _BINDINGS_KEPT = 64  # slot ranges with a binding kept (the batcher uses a few: its slots are packed at the front)
+_CACHE_TYPES = {"tensor(float)": np.float32, "tensor(int8)": np.int8}
 QUERY_LENS, SEQLENS, TOTAL, LOGIT_INDEX = "query_seqlens", "seqlens_k", "total_sequence_length", "logit_index"
 
 
@@ -26,16 +27,16 @@ def kv_graph_of(engine) -> str | None:
 _RELEASABLE = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_DONTNEED")  # POSIX (Linux, macOS)
 
 
-def _zeros(shape: tuple) -> tuple[np.ndarray, mmap.mmap | None]:
-    """float32 zeros in a private anonymous mapping of their own, and the mapping: the OS gives a page memory
+def _zeros(shape: tuple, dtype) -> tuple[np.ndarray, mmap.mmap | None]:
+    """Zeros in a private anonymous mapping of their own, and the mapping: the OS gives a page memory
     only when it is written, whatever malloc's thresholds (glibc serves a buffer of a size it has freed before
     from its heap, zeroing, and so touching, every page). Unmapped when the array and the mapping go. Plain
     zeros (no mapping) where the platform has no private mappings."""
     if not _RELEASABLE:
-        return np.zeros(shape, np.float32), None
+        return np.zeros(shape, dtype), None
     count = int(np.prod(shape))
-    mapping = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(mapping, np.float32, count=count).reshape(shape), mapping
+    mapping = mmap.mmap(-1, max(np.dtype(dtype).itemsize * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype, count=count).reshape(shape), mapping
 
 
 class KVSlots:
@@ -59,10 +60,13 @@ class KVSlots:
         self.slots = slots
         self.names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         shapes = {i.name: i.shape for i in session.get_inputs()}
+        # the cache's element type as the graph declares it: float32 from the builder, int8 where a quantized
+        # cache is probed (benchmarks/probe_kv_int8.py)
+        self.dtype = _CACHE_TYPES[next(i.type for i in session.get_inputs() if i.name == self.names[0])]
         self.allocated = min(initial, self.capacity)  # the buffers' length axis now
         self.buffers, self._mappings = {}, {}
         for n in self.names:
-            self.buffers[n], self._mappings[n] = _zeros((slots, shapes[n][1], self.allocated, shapes[n][3]))
+            self.buffers[n], self._mappings[n] = _zeros((slots, shapes[n][1], self.allocated, shapes[n][3]), self.dtype)
         self.length = np.zeros(slots, np.int64)  # tokens cached per slot
         self.vocab = engine.manifest["model"]["architecture"]["vocab_size"]  # the logits' last axis
         # IOBinding per slot range with the buffers bound as past and present: binding 4 tensors per layer costs
@@ -80,7 +84,7 @@ class KVSlots:
         size = min(size, self.capacity)
         live = [(int(slot), int(self.length[slot])) for slot in np.flatnonzero(self.length)]
         for name, old in self.buffers.items():
-            new, self._mappings[name] = _zeros(old.shape[:2] + (size,) + old.shape[3:])
+            new, self._mappings[name] = _zeros(old.shape[:2] + (size,) + old.shape[3:], self.dtype)
             for slot, n in live:
                 new[slot, :, :n] = old[slot, :, :n]
             self.buffers[name] = new
@@ -124,8 +128,8 @@ class KVSlots:
             binding = self._bindings[(first, rows)] = self.session.io_binding()
             for name in self.names:
                 view = self.buffers[name][first:first + rows]  # contiguous: slots are the leading axis
-                binding.bind_input(name, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
-                binding.bind_output("present." + name[len("past_key_values."):], "cpu", 0, np.float32,
+                binding.bind_input(name, "cpu", 0, self.dtype, list(view.shape), view.ctypes.data)
+                binding.bind_output("present." + name[len("past_key_values."):], "cpu", 0, self.dtype,
                                     list(view.shape), view.ctypes.data)
         return binding
 
