@@ -47,7 +47,7 @@ def test_every_gemm_and_the_embedding_read_the_gguf_blocks(gguf_engine):
     assert all(t["fidelity"].startswith("FAILED") for t in backend["int8_activations_missed"])
     info = run_cli("info", str(out))
     assert info.returncode == 0 and "Q4_1 x210" in info.stdout and "int8 activations in" in info.stdout
-    assert "MB resident once loaded" in info.stdout
+    assert "MB resident once loaded and run" in info.stdout
 
 
 def test_tensorrt_plan_has_the_int4_and_int8_weight_layers(gguf_engine):
@@ -72,7 +72,7 @@ def test_gguf_engine_is_a_third_of_the_fp32_one_and_decodes_the_same_tokens(gguf
     from trtserve.runtime.text import TextEngine
 
     out, _ = gguf_engine
-    size = {d: (d / "model.ort.onnx").stat().st_size for d in (out, engines["smollm2"])}
+    size = {d: sum(f.stat().st_size for f in d.glob("model.ort.onnx*")) for d in (out, engines["smollm2"])}
     assert size[out] < 0.4 * size[engines["smollm2"]], size
 
     def greedy(engine_dir):

@@ -97,7 +97,7 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str,
                 grid=None) -> dict:
-    from trtserve.engine_builder.onnxruntime import OPTIMIZED, resident_mb
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, map_weights, resident_mb
     from trtserve.precision.run import Harness
 
     onnx_path = tmp / ONNX_FILE
@@ -133,14 +133,17 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     _copy_tokenizer_files(source, tmp)
     manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
     report = _precision_and_ort(tmp, manifest, policy, search_record, source, fp32_graph, target, harness, why)
+    manifest["backend"]["weights"] = map_weights(tmp / OPTIMIZED)
     manifest["backend"]["resident_mb"] = resident_mb(tmp / OPTIMIZED)  # of the chosen graph only
     if source.info.kind == "decoder":
         from trtserve.engine_builder.kv_graph import build_kv
 
         with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
-            manifest["backend"]["kv_graph"] = build_kv(tmp, manifest)
-        if not manifest["backend"]["kv_graph"]["file"]:
-            say(f"no decode graph: {manifest['backend']['kv_graph']['why_not']}; decoding copies the cache per step")
+            kv = manifest["backend"]["kv_graph"] = build_kv(tmp, manifest)
+        if kv["file"]:
+            kv["weights"] = map_weights(tmp / kv["file"])
+        else:
+            say(f"no decode graph: {kv['why_not']}; decoding copies the cache per step")
     if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback
         from trtserve.engine_builder.tensorrt import build_trt
 

@@ -24,7 +24,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {})
         + _search(m["precision"].get("search")),
         f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})"
-        + (f"; {backend['resident_mb']} MB resident once loaded" if backend.get("resident_mb") else ""),
+        + (f"; {backend['resident_mb']} MB resident once loaded and run" if backend.get("resident_mb") else ""),
         *([f"            int8 activations in {backend['int8_activations']}"
            + "".join(f"; {t['plan']} missed the target" for t in backend.get("int8_activations_missed", []))]
           if "int8_activations" in backend else []),

@@ -1,0 +1,65 @@
+"""A served graph's weights live in a file beside it (`<graph>.data`), which ONNX Runtime memory-maps:
+an embedding table costs resident memory only for the rows that were looked up, and weights repacked
+at load are not held twice."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from trtserve.engine_builder.onnxruntime import map_weights, resident_mb
+
+VOCAB, WIDTH = 16384, 512  # a 32 MiB fp32 table
+
+
+def _graph(path):
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((VOCAB, WIDTH), dtype=np.float32)
+    weight = rng.standard_normal((WIDTH, 64), dtype=np.float32)
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["hidden"]),
+             helper.make_node("MatMul", ["hidden", "weight"], ["out"])]
+    graph = helper.make_graph(nodes, "table", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "sequence", 64])],
+                              [numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "weight")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), str(path))
+    return table.nbytes
+
+
+def _run(path, ids):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input_ids": ids})[0]
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mapped")
+    inline, mapped = root / "inline" / "model.ort.onnx", root / "mapped" / "model.ort.onnx"
+    for path in (inline, mapped):
+        path.parent.mkdir()
+        table_bytes = _graph(path)
+    return inline, mapped, map_weights(mapped), table_bytes
+
+
+def test_weights_move_to_the_file_beside_the_graph_and_give_the_same_outputs(graphs):
+    inline, mapped, data, table_bytes = graphs
+    assert data == "model.ort.onnx.data"
+    assert mapped.stat().st_size < 4096 and (mapped.parent / data).stat().st_size >= table_bytes
+    ids = np.array([[1, 77, 16383, 5]], np.int64)
+    np.testing.assert_array_equal(_run(mapped, ids), _run(inline, ids))
+    map_weights(mapped)  # mapping again rewrites the file rather than appending to it
+    assert (mapped.parent / data).stat().st_size < 2 * table_bytes
+    np.testing.assert_array_equal(_run(mapped, ids), _run(inline, ids))
+
+
+def test_a_mapped_table_is_resident_only_where_it_was_read(graphs):
+    inline, mapped, _, table_bytes = graphs
+    held = {name: resident_mb(path) for name, path in (("inline", inline), ("mapped", mapped))}
+    if None in held.values():
+        pytest.skip("no /proc on this platform: resident memory cannot be read")
+    # run on 4 tokens: the inline graph holds the whole table on the heap, the mapped one a few of its pages
+    # (both figures include what loading ONNX Runtime's kernels costs, about 10 MB)
+    assert held["inline"] > 0.9 * table_bytes / 1e6, held
+    assert held["inline"] - held["mapped"] > 0.8 * table_bytes / 1e6, held
