@@ -24,7 +24,8 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "re-quantized); int8, int4 (GEMM and embedding weights quantized in blocks of 32: int8 "
                         "symmetric, int4 with a float minimum per block; the most sensitive weights, measured one "
                         "by one on the calibration text, kept at 8 bits (int4) or fp32 (int8) as the fidelity "
-                        "target needs)")
+                        "target needs). A parallel-track checkpoint takes fp32, fp16, hybrid, int8 and int4, "
+                        "measured on the held-out part of its training text")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="text file to measure fidelity on (default: bundled Wikipedia sample)")
     parser.add_argument("--fidelity-target", default="",
@@ -74,12 +75,17 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if is_parallel_track(Path(args.model)):
         from trtserve.engine_builder.sharding import build_track_engines
 
-        engine = build_track_engines(Path(args.model), args.out, args.precision)
+        if args.calibration:
+            raise TrtServeError("--calibration is not taken for a parallel-track checkpoint: its engines are "
+                                "measured on the held-out part of the text it was trained on")
+        engine = build_track_engines(Path(args.model), args.out, args.precision, target, args.allow_low_fidelity)
         pt = engine.manifest["parallel_tracks"]
         print(f"track-sharded engine written to {engine.path}: {pt['tracks']} tracks x {pt['segments']} segments, "
               f"{pt['sync']['per_forward']} all-reduce(s) per forward")
         print(f"parity vs torch fp32 (all tracks in one process): max abs error "
               f"{engine.manifest['parity']['max_abs_error']:.2e}")
+        if "fidelity" in engine.manifest:
+            print(f"fidelity vs torch fp32 ({args.precision}): {summary(engine.manifest['fidelity'])}")
         return 0
     shapes, seed = _confirm_grid(args.confirm_grid) if args.confirm_grid else ((), 0)
     cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,

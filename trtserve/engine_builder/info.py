@@ -46,6 +46,8 @@ def describe_manifest(engine: EngineDir) -> str:
 
 
 def _describe_tracks(engine: EngineDir) -> str:
+    from trtserve.precision.run import summary
+
     m, pt = engine.manifest, engine.manifest["parallel_tracks"]
     arch = m["model"]["architecture"]
     return "\n".join([
@@ -56,11 +58,21 @@ def _describe_tracks(engine: EngineDir) -> str:
         f"{pt['kv_heads_per_track']} KV head(s) per track",
         f"sync        {pt['sync']['op']} of {pt['sync']['of']} after each segment: "
         f"{pt['sync']['per_forward']} per forward",
-        f"precision   {m['precision']['policy']}",
+        f"precision   {m['precision']['policy']}" + _track_formats(m["precision"]),
+        *([f"fidelity    {summary(m['fidelity'])}"] if "fidelity" in m else []),
         f"parity      max abs error {m['parity']['max_abs_error']:.2e} ({m['parity']['against']})",
         "files       " + ", ".join(f"{name} {_mb(entry['size'])}" for name, entry in m["files"].items()),
         f"rebuild     {m['build_command']}",
     ])
+
+
+def _track_formats(precision: dict) -> str:
+    if "formats" not in precision:
+        return ""
+    counts = ", ".join(f"{n} {fmt}" for fmt, n in precision["formats"].items())
+    return (f": weights {counts} (the {precision['kept_safer']} most sensitive kept safer); int8 activations in "
+            f"{precision['int8_activations']}" + "".join(f"; {t['plan']} missed the target"
+                                                          for t in precision.get("int8_activations_missed", [])))
 
 
 def _io(spec: dict) -> str:

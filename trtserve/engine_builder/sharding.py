@@ -25,6 +25,7 @@ from trtserve.models.parallel_track import TOKENIZER_FILES
 from trtserve.progress import say
 
 OPSET = 20
+EXPORT_FORMAT = 2  # bump when what _export_all writes changes (2: projections as MatMuls on 2-D weights)
 
 
 def segment_file(track: int, segment: int, optimized: bool = True) -> str:
@@ -45,7 +46,8 @@ def _modules(model, track: int, segment: int):
             super().__init__()
             for layer in layers:
                 for name, p in model.layers[layer].params(slice(track, track + 1)).items():
-                    self.register_buffer(f"l{layer}_{name}", p.detach().clone())
+                    # projections as plain matrices: MatMuls on 2-D constants, which int8/int4 quantize
+                    self.register_buffer(f"l{layer}_{name}", (p[0] if p.ndim == 3 else p).detach().clone())
 
         def forward(self, hidden, *past):
             x, presents = hidden[None], []
@@ -92,7 +94,7 @@ def _export_all(model, tmp: Path) -> dict:
         def forward(self, hidden):
             from trtserve.models.pt_model import _rms
 
-            return torch.nn.functional.linear(_rms(hidden, self.norm, cfg.rms_norm_eps), self.weight)
+            return torch.matmul(_rms(hidden, self.norm, cfg.rms_norm_eps), self.weight.t())  # a MatMul, not a Gemm
 
     _export(Embed().eval(), (torch.randint(0, cfg.vocab_size, (batch, seq)),), ["input_ids"], ["hidden"],
             ({0: Dim.AUTO, 1: Dim.AUTO},), tmp / "embed.onnx")
@@ -114,36 +116,46 @@ def _export_all(model, tmp: Path) -> dict:
     return graphs
 
 
-def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") -> engine_dir.EngineDir:
-    """Export, apply the precision policy to, and optimize every graph of a PT checkpoint."""
-    import onnx
+QUANTIZED = ("int8", "int4")
+# int8-activation plans, fastest first: every quantized GEMM on int8 activations (MatMulNBits accuracy level
+# 4), then none (4-bit GEMMs on fp32 activations, 8-bit ones back to fp32 weights: ONNX Runtime 1.32 has no
+# fast kernel for 8-bit weights on fp32 activations)
+PLANS = ((frozenset({"*"}), "every quantized GEMM"), (frozenset(), "none"))
 
-    from trtserve.engine_builder.onnxruntime import build_ort
+
+def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", target=None,
+                        allow_low_fidelity: bool = False) -> engine_dir.EngineDir:
+    """Export, apply the precision policy to, and optimize every graph of a PT checkpoint.
+
+    int8/int4 (precision.track_quant): each track's projections in the format the sensitivity choice gives
+    them, then the first int8-activation plan whose engines meet `target` (the policy's default if None) on
+    held-out text; none meeting it is an error unless `allow_low_fidelity`."""
     from trtserve.models.pt_model import load_checkpoint
-    from trtserve.precision.passes import apply_policy
-    from trtserve.precision.policy import POLICIES, get_policy
+    from trtserve.precision.policy import POLICIES
 
-    if precision not in ("fp32", "fp16", "hybrid"):
-        raise TrtServeError(f"--precision {precision} is not available for track engines; choose fp32, fp16 or "
-                            f"hybrid (of {', '.join(POLICIES)})")
+    if precision not in ("fp32", "fp16", "hybrid", *QUANTIZED):
+        raise TrtServeError(f"--precision {precision} is not available for track engines; choose fp32, fp16, "
+                            f"hybrid, int8 or int4 (of {', '.join(POLICIES)})")
     check_writable_target(Path(out))
     model = load_checkpoint(checkpoint)
     cfg = model.cfg
     started = time.time()
+    choice = None
+    if precision in QUANTIZED:
+        from trtserve.fileio import cache_root
+        from trtserve.precision.measure import Target
+        from trtserve.precision.track_quant import choose_formats
+
+        target = target or Target.for_weights(precision, "decoder")
+        choice = choose_formats(model, precision, target, cache_dir=cache_root() / "sensitivity")
+    exports, graphs = _exports_cached(Path(checkpoint), model)
     with atomic_dir(Path(out)) as tmp:
-        graphs = _export_all(model, tmp)
-        files = {}
-        for name, (inputs, outputs) in graphs.items():
-            mixed, _ = apply_policy(onnx.load(str(tmp / name)), get_policy(precision))
-            onnx.save(mixed, str(tmp / name))
-            optimized = name.replace(".onnx", ".ort.onnx")
-            build_ort(tmp / name, tmp)
-            (tmp / "model.ort.onnx").rename(tmp / optimized)
-            files[name] = {"graph": optimized, "inputs": inputs, "outputs": outputs}
         (tmp / "vocab.json").write_text(json.dumps(model.vocab.tolist()))  # compact id -> tokenizer id (-1: unknown)
         for name in (*TOKENIZER_FILES, "config.json"):
             if (Path(checkpoint) / name).is_file():
                 (tmp / name).write_bytes((Path(checkpoint) / name).read_bytes())
+        files = {name: {"graph": name.replace(".onnx", ".ort.onnx"), "inputs": inputs, "outputs": outputs}
+                 for name, (inputs, outputs) in graphs.items()}
         manifest = {
             "model": {"id": Path(checkpoint).name, "kind": "parallel_track", "source": str(checkpoint),
                       "architecture": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers",
@@ -163,11 +175,102 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32") ->
             },
             "build_command": f"trtserve build-engine {checkpoint} --out {out} --precision {precision}",
         }
+        if choice is None:
+            _write_graphs(exports, tmp, graphs, lambda graph, _: _policy(graph, precision))
+        else:
+            manifest["precision"].update(_quantized(exports, tmp, graphs, model, choice, target, manifest,
+                                                    allow_low_fidelity))
+            manifest["fidelity"] = manifest["precision"].pop("fidelity")
         manifest["parity"] = _parity(model, tmp, manifest)
         manifest["build_seconds"] = round(time.time() - started, 1)
         engine_dir.seal(tmp, manifest)
     say(f"track engines: {cfg.n_tracks} tracks x {cfg.segments} segments -> {out}")
     return engine_dir.open_engine_dir(out, verify=False)
+
+
+def _policy(graph, precision: str):
+    from trtserve.precision.passes import apply_policy
+    from trtserve.precision.policy import get_policy
+
+    return apply_policy(graph, get_policy(precision))[0]
+
+
+def _exports_cached(checkpoint: Path, model) -> tuple[Path, dict]:
+    """The fp32 graphs (and {file: (input names, output names)}): exports are most of a build's time, so one
+    is kept keyed by the checkpoint's files and the toolchain, and every precision starts from it."""
+    import hashlib
+
+    import torch
+
+    from trtserve.fileio import cache_root, sha256_file
+    from trtserve.models.parallel_track import WEIGHTS
+
+    digest = hashlib.sha256("".join(sha256_file(checkpoint / f) for f in ("config.json", WEIGHTS)).encode())
+    cached = cache_root() / "onnx" / f"pt-{digest.hexdigest()[:16]}-f{EXPORT_FORMAT}-torch{torch.__version__}"
+    if (cached / "graphs.json").is_file():
+        say(f"export: reusing cached fp32 graphs {cached}")
+    else:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_dir(cached) as tmp:
+            (tmp / "graphs.json").write_text(json.dumps(_export_all(model, tmp)))
+    return cached, {name: tuple(io) for name, io in json.loads((cached / "graphs.json").read_text()).items()}
+
+
+def _write_graphs(exports: Path, tmp: Path, graphs: dict, rewrite, int8_activations: frozenset | None = None) -> None:
+    """Each fp32 export rewritten to tmp/NAME and optimized by ONNX Runtime to tmp/NAME.ort.onnx."""
+    import onnx
+
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort
+
+    for name in graphs:
+        onnx.save(rewrite(onnx.load(str(exports / name)), name), str(tmp / name))
+        build_ort(tmp / name, tmp, int8_activations)
+        (tmp / OPTIMIZED).rename(tmp / name.replace(".onnx", ".ort.onnx"))
+
+
+def _quantized(exports: Path, tmp: Path, graphs: dict, model, choice, target, manifest: dict, allow_low_fidelity: bool) -> dict:
+    """Write the graphs under each int8-activation plan in turn until the engines meet `target`; return the
+    manifest's precision entries (the weights' formats, the plan chosen and those that missed, fidelity)."""
+    import dataclasses
+
+    from trtserve.precision.quant_policy import apply_quantized
+    from trtserve.precision.run import summary
+    from trtserve.precision.track_quant import fidelity, graph_formats
+    from trtserve.runtime.track_engines import TrackEngines
+
+    choice = dataclasses.replace(choice, formats=graph_formats(choice, model))
+    missed, weights = [], {}
+    for plan, what in PLANS:
+        def rewrite(graph, name, plan=plan):
+            graph, report = apply_quantized(graph, choice, plan)
+            weights[name] = {kind: report[kind] for kind in ("gemms", "embeddings", "fp32")}
+            return graph
+
+        _write_graphs(exports, tmp, graphs, rewrite, plan)
+        engines = TrackEngines(tmp, manifest, tracks=range(model.cfg.n_tracks), threads=None)
+        report = fidelity(engines, model, target)
+        say(f"int8 activations in {what}: {summary(report)}")
+        if report["passed"] or what == PLANS[-1][1]:
+            break
+        missed.append({"plan": what, "fidelity": summary(report)})
+    if not report["passed"] and not allow_low_fidelity:
+        raise TrtServeError(f"the {manifest['precision']['policy']} track engines miss the fidelity target "
+                            f"({len(report['failures'])} failures, e.g. {'; '.join(report['failures'][:3])}); nothing "
+                            "was written. Use --precision fp32 or hybrid, relax --fidelity-target, or pass "
+                            "--allow-low-fidelity to keep them anyway")
+    formats = [f for graph in weights.values() for kind in ("gemms", "embeddings") for f in
+               (entry["format"] for entry in graph[kind].values())]
+    return {"formats": precision_counts(formats, weights), "graph": weights, "int8_activations": what,
+            "int8_activations_missed": missed, "calibration": choice.whole, "kept_safer": choice.kept,
+            "fidelity": report}
+
+
+def precision_counts(formats: list, weights: dict) -> dict:
+    """How many weights (GEMMs and tables, over every graph) have each format, fp32 ones included."""
+    counts = {}
+    for fmt in formats + ["fp32"] * sum(len(graph["fp32"]) for graph in weights.values()):
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return counts
 
 
 def _parity(model, directory: Path, manifest: dict) -> dict:

@@ -39,10 +39,18 @@ def _rms(x, weight, eps: float):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def linear(x, weight):
+    """x [s, B, T, in] times each shard's weight [s, out, in] -> [s, B, T, out]. One shard's weight may be given
+    as a plain matrix [out, in] (a track's own graph): then it is one MatMul on a 2-D constant, the form
+    the precision passes quantize."""
+    return torch.matmul(x, weight.t()) if weight.ndim == 2 else torch.einsum("sbti,soi->sbto", x, weight)
+
+
 def attention(p: dict, x, heads: int, kv_heads: int, head_dim: int, theta: float, past=None):
     """Grouped-query attention of a stack of s shards (tracks, or tensor-parallel slices).
 
-    p: q_proj [s, heads*hd, d], k_proj/v_proj [s, kv_heads*hd, d], o_proj [s, d, heads*hd];
+    p: q_proj [s, heads*hd, d], k_proj/v_proj [s, kv_heads*hd, d], o_proj [s, d, heads*hd] (2-D for s = 1: see
+    linear);
     x [s, B, T, d] (already normed); past: (k, v) each [s*B, kv_heads, T_past, hd].
     Returns the output projection [s, B, T, d] (no residual) and the new (k, v).
     """
@@ -51,7 +59,7 @@ def attention(p: dict, x, heads: int, kv_heads: int, head_dim: int, theta: float
     positions = torch.arange(start, start + t)
 
     def project(weight, n):
-        return torch.einsum("sbtd,sod->sbto", x, weight).reshape(s * b, t, n, head_dim).transpose(1, 2)
+        return linear(x, weight).reshape(s * b, t, n, head_dim).transpose(1, 2)
 
     q = rope(project(p["q_proj"], heads), positions, theta)
     k = rope(project(p["k_proj"], kv_heads), positions, theta)
@@ -65,14 +73,12 @@ def attention(p: dict, x, heads: int, kv_heads: int, head_dim: int, theta: float
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                                          is_causal=causal, attn_mask=mask)
     out = out.transpose(1, 2).reshape(s, b, t, heads * head_dim)
-    return torch.einsum("sbti,sdi->sbtd", out, p["o_proj"]), (k, v)
+    return linear(out, p["o_proj"]), (k, v)
 
 
 def feed_forward(p: dict, x):
     """SwiGLU of a stack of shards: gate/up [s, w, d], down [s, d, w]; x [s, B, T, d] (normed)."""
-    gate = torch.einsum("sbtd,swd->sbtw", x, p["gate_proj"])
-    up = torch.einsum("sbtd,swd->sbtw", x, p["up_proj"])
-    return torch.einsum("sbtw,sdw->sbtd", F.silu(gate) * up, p["down_proj"])
+    return linear(F.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])
 
 
 class Layer(nn.Module):

@@ -91,13 +91,21 @@ class _Reference:
             for module, weight in swapped:
                 module.weight = weight
         if self.kind == "decoder":
-            kl = (base.exp() * (base - out)).sum(-1, dtype=torch.float64)
-            top1 = (base.argmax(-1) == out.argmax(-1)).double().mean()
-            nll = lambda lp: -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean()  # noqa: E731
-            ppl_delta = abs(float(torch.exp(nll(out).double() - nll(base).double())) - 1)
-            return {"effect": float(kl.mean()), "top1": float(top1), "ppl_delta": ppl_delta}
+            return decoder_effect(base, out, ids)
         cos = torch.nn.functional.cosine_similarity(base, out, dim=-1)
         return {"effect": float((1 - cos).mean()), "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
+
+
+def decoder_effect(base, out, ids) -> dict:
+    """Next-token log-probabilities `out` against the fp32 `base` ([B, T, V] torch tensors) on `ids` [B, T]:
+    mean KL divergence (the effect), top-1 agreement and the relative change of perplexity."""
+    import torch
+
+    kl = (base.exp() * (base - out)).sum(-1, dtype=torch.float64)
+    top1 = (base.argmax(-1) == out.argmax(-1)).double().mean()
+    nll = lambda lp: -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean()  # noqa: E731
+    ppl_delta = abs(float(torch.exp(nll(out).double() - nll(base).double())) - 1)
+    return {"effect": float(kl.mean()), "top1": float(top1), "ppl_delta": ppl_delta}
 
 
 _CACHE: dict = {}
@@ -119,7 +127,7 @@ CACHE_VERSION = 3  # bump when the measurement changes
 
 
 def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
-           cache_dir=None) -> Choice:
+           cache_dir=None, reference=None) -> Choice:
     """choose_uncached(), kept on disk under `cache_dir` keyed by everything it depends on: the weights'
     bytes (their keys), the format, the target and the calibration rows."""
     import json
@@ -127,14 +135,14 @@ def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, 
     from pathlib import Path
 
     if cache_dir is None:
-        return choose_uncached(reference_model, kind, weights, eight_bit, fmt, target, rows)
+        return choose_uncached(reference_model, kind, weights, eight_bit, fmt, target, rows, reference)
     key = hashlib.sha256(json.dumps([CACHE_VERSION, sorted(weights), sorted(eight_bit), fmt, asdict(target), rows,
                                      kind]).encode()).hexdigest()[:24]
     path = Path(cache_dir) / f"{fmt}-{key}.json"
     if path.is_file():
         say(f"weights: reusing the measured {fmt} mix {path}")
         return Choice(**json.loads(path.read_text()))
-    choice = choose_uncached(reference_model, kind, weights, eight_bit, fmt, target, rows)
+    choice = choose_uncached(reference_model, kind, weights, eight_bit, fmt, target, rows, reference)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(choice)))
@@ -143,12 +151,13 @@ def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, 
 
 
 def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target,
-                    rows: list[list[int]]) -> Choice:
+                    rows: list[list[int]], reference=None) -> Choice:
     """`weights`: graph weight key -> [N, K] rows, for the GEMMs and tables the policy may quantize;
     those in `eight_bit` (tables, the LM head) start in int8, the others in `fmt`. A weight whose input
-    dimension is no multiple of the block, or that the reference does not hold, stays fp32."""
+    dimension is no multiple of the block, or that the reference does not hold, stays fp32. `reference`:
+    a model-specific stand-in for _Reference (its `originals` and `metrics`), built on `rows` already."""
     _CACHE.clear()
-    ref = _Reference(reference_model, kind, rows)
+    ref = reference or _Reference(reference_model, kind, rows)
     low = {key: ("fp32" if r.shape[1] % BLOCK or key not in ref.originals else "int8" if key in eight_bit else fmt)
            for key, r in weights.items()}
     sensitivity = {key: ref.metrics({key: f}, short=True)["effect"] for key, f in low.items() if f != "fp32"}

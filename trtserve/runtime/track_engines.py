@@ -37,8 +37,9 @@ class TrackEngines:
         self.cache: dict = {}
         self.syncs = 0
 
-    def forward(self, ids, reduce, new: bool = True) -> np.ndarray:
-        """Logits of the last position; `new` starts fresh sequences (the cache is dropped)."""
+    def forward(self, ids, reduce, new: bool = True, every_position: bool = False) -> np.ndarray:
+        """Logits of the last position ([B, V]; of every position, [B, T, V], with `every_position`); `new`
+        starts fresh sequences (the cache is dropped)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if new:
             self.cache = {}
@@ -57,4 +58,7 @@ class TrackEngines:
                 total = outs[0] if total is None else total + outs[0]
             h = h + reduce(total)
             self.syncs += 1
+        if every_position:
+            return self.head.run(None, {"hidden": np.ascontiguousarray(h.reshape(-1, h.shape[-1]))})[0].reshape(
+                *h.shape[:2], -1)
         return self.head.run(None, {"hidden": np.ascontiguousarray(h[:, -1])})[0]
