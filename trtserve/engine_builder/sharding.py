@@ -260,12 +260,12 @@ def _quantized(exports: Path, tmp: Path, graphs: dict, model, choice, target, ma
                             "--allow-low-fidelity to keep them anyway")
     formats = [f for graph in weights.values() for kind in ("gemms", "embeddings") for f in
                (entry["format"] for entry in graph[kind].values())]
-    return {"formats": precision_counts(formats, weights), "graph": weights, "int8_activations": what,
+    return {"formats": _format_counts(formats, weights), "graph": weights, "int8_activations": what,
             "int8_activations_missed": missed, "calibration": choice.whole, "kept_safer": choice.kept,
             "fidelity": report}
 
 
-def precision_counts(formats: list, weights: dict) -> dict:
+def _format_counts(formats: list, weights: dict) -> dict:
     """How many weights (GEMMs and tables, over every graph) have each format, fp32 ones included."""
     counts = {}
     for fmt in formats + ["fp32"] * sum(len(graph["fp32"]) for graph in weights.values()):
