@@ -70,9 +70,9 @@ def _track_formats(precision: dict) -> str:
     if "formats" not in precision:
         return ""
     counts = ", ".join(f"{n} {fmt}" for fmt, n in precision["formats"].items())
+    missed = len(precision.get("int8_activations_missed", []))
     return (f": weights {counts} (the {precision['kept_safer']} most sensitive kept safer); int8 activations in "
-            f"{precision['int8_activations']}" + "".join(f"; {t['plan']} missed the target"
-                                                          for t in precision.get("int8_activations_missed", [])))
+            f"{precision['int8_activations']}" + (f" ({missed} earlier tr{'y' if missed == 1 else 'ies'} missed the target)" if missed else ""))
 
 
 def _io(spec: dict) -> str:

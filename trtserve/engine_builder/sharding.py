@@ -147,7 +147,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
         from trtserve.precision.track_quant import choose_formats
 
         target = target or Target.for_weights(precision, "decoder")
-        choice = choose_formats(model, precision, target, cache_dir=cache_root() / "sensitivity")
+        choice, low = choose_formats(model, precision, target, cache_dir=cache_root() / "sensitivity")
     exports, graphs = _exports_cached(Path(checkpoint), model)
     with atomic_dir(Path(out)) as tmp:
         (tmp / "vocab.json").write_text(json.dumps(model.vocab.tolist()))  # compact id -> tokenizer id (-1: unknown)
@@ -178,7 +178,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
         if choice is None:
             _write_graphs(exports, tmp, graphs, lambda graph, _: _policy(graph, precision))
         else:
-            manifest["precision"].update(_quantized(exports, tmp, graphs, model, choice, target, manifest,
+            manifest["precision"].update(_quantized(exports, tmp, graphs, model, (choice, low), target, manifest,
                                                     allow_low_fidelity))
             manifest["fidelity"] = manifest["precision"].pop("fidelity")
         manifest["parity"] = _parity(model, tmp, manifest)
@@ -228,31 +228,35 @@ def _write_graphs(exports: Path, tmp: Path, graphs: dict, rewrite, int8_activati
         (tmp / OPTIMIZED).rename(tmp / name.replace(".onnx", ".ort.onnx"))
 
 
-def _quantized(exports: Path, tmp: Path, graphs: dict, model, choice, target, manifest: dict, allow_low_fidelity: bool) -> dict:
-    """Write the graphs under each int8-activation plan in turn until the engines meet `target`; return the
-    manifest's precision entries (the weights' formats, the plan chosen and those that missed, fidelity)."""
-    import dataclasses
-
+def _quantized(exports: Path, tmp: Path, graphs: dict, model, chosen: tuple, target, manifest: dict,
+               allow_low_fidelity: bool) -> dict:
+    """Write the graphs under each int8-activation plan in turn, keeping more of the most sensitive weights
+    safer each time one misses (track_quant.escalation), until the engines meet `target`; return the
+    manifest's precision entries (the weights' formats, the tries that missed, fidelity)."""
     from trtserve.precision.quant_policy import apply_quantized
     from trtserve.precision.run import summary
-    from trtserve.precision.track_quant import fidelity, graph_formats
+    from trtserve.precision.sensitivity import mixed
+    from trtserve.precision.track_quant import escalation, fidelity, graph_formats
     from trtserve.runtime.track_engines import TrackEngines
 
-    choice = dataclasses.replace(choice, formats=graph_formats(choice, model))
+    choice, low = chosen
     missed, weights = [], {}
-    for plan, what in PLANS:
-        def rewrite(graph, name, plan=plan):
-            graph, report = apply_quantized(graph, choice, plan)
+    tries = [(kept, plan, what) for plan, what in PLANS for kept in escalation(choice.kept, len(choice.sensitivity))]
+    for number, (kept, plan, what) in enumerate(tries):
+        formats = graph_formats(mixed(low, choice.sensitivity, kept), model)
+        try_choice = type(choice)(formats, choice.sensitivity, choice.modules, choice.whole, kept)
+
+        def rewrite(graph, name, plan=plan, try_choice=try_choice):
+            graph, report = apply_quantized(graph, try_choice, plan)
             weights[name] = {kind: report[kind] for kind in ("gemms", "embeddings", "fp32")}
             return graph
 
         _write_graphs(exports, tmp, graphs, rewrite, plan)
-        engines = TrackEngines(tmp, manifest, tracks=range(model.cfg.n_tracks), threads=None)
-        report = fidelity(engines, model, target)
-        say(f"int8 activations in {what}: {summary(report)}")
-        if report["passed"] or what == PLANS[-1][1]:
+        report = fidelity(TrackEngines(tmp, manifest, tracks=range(model.cfg.n_tracks), threads=None), model, target)
+        say(f"{kept} most sensitive weights kept safer, int8 activations in {what}: {summary(report)}")
+        if report["passed"] or number == len(tries) - 1:
             break
-        missed.append({"plan": what, "fidelity": summary(report)})
+        missed.append({"kept_safer": kept, "plan": what, "fidelity": summary(report)})
     if not report["passed"] and not allow_low_fidelity:
         raise TrtServeError(f"the {manifest['precision']['policy']} track engines miss the fidelity target "
                             f"({len(report['failures'])} failures, e.g. {'; '.join(report['failures'][:3])}); nothing "
@@ -261,8 +265,8 @@ def _quantized(exports: Path, tmp: Path, graphs: dict, model, choice, target, ma
     formats = [f for graph in weights.values() for kind in ("gemms", "embeddings") for f in
                (entry["format"] for entry in graph[kind].values())]
     return {"formats": _format_counts(formats, weights), "graph": weights, "int8_activations": what,
-            "int8_activations_missed": missed, "calibration": choice.whole, "kept_safer": choice.kept,
-            "fidelity": report}
+            "int8_activations_missed": missed, "calibration": choice.whole, "kept_safer": kept,
+            "kept_safer_by_calibration": choice.kept, "fidelity": report}
 
 
 def _format_counts(formats: list, weights: dict) -> dict:

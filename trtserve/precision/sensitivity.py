@@ -150,6 +150,12 @@ def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, 
     return choice
 
 
+def mixed(low: dict, sensitivity: dict, kept: int) -> dict:
+    """The formats `low` with the `kept` most sensitive weights one step safer (int4 -> int8 -> fp32)."""
+    safer = set(sorted(sensitivity, key=sensitivity.get, reverse=True)[:kept])
+    return {k: (SAFER[f] if k in safer and f != "fp32" else f) for k, f in low.items()}
+
+
 def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target,
                     rows: list[list[int]], reference=None) -> Choice:
     """`weights`: graph weight key -> [N, K] rows, for the GEMMs and tables the policy may quantize;
@@ -164,8 +170,7 @@ def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, f
     ranked = sorted(sensitivity, key=sensitivity.get, reverse=True)
 
     def mix(kept: int) -> dict:
-        safer = set(ranked[:kept])
-        return {k: (SAFER[f] if k in safer and f != "fp32" else f) for k, f in low.items()}
+        return mixed(low, sensitivity, kept)
 
     kept, best = 0, ref.metrics(mix(0))
     if not meets(best, target):

@@ -89,7 +89,9 @@ def held_out(model, length: int, rows: int, skip: int = 0) -> np.ndarray:
 
 
 def choose_formats(model, fmt: str, target, cache_dir=None):
-    """The sensitivity choice (sensitivity.Choice) for every projection of every track and the table."""
+    """The sensitivity choice (sensitivity.Choice) for every projection of every track and the table, and
+    the formats before any weight was kept safer (for sensitivity.mixed)."""
+    from trtserve.precision.gguf_blocks import BLOCK
     from trtserve.precision.sensitivity import choose
 
     rows = held_out(model, CALIBRATION_LENGTH, CALIBRATION_ROWS).tolist()
@@ -99,15 +101,24 @@ def choose_formats(model, fmt: str, target, cache_dir=None):
         weights[key] = (tensor if track is None else tensor[track]).detach().numpy()
         if track is None:
             eight_bit.add(key)
-    return choose(model, KIND, weights, eight_bit, fmt, target, rows, cache_dir, reference)
+    low = {key: "fp32" if rows_.shape[1] % BLOCK else "int8" if key in eight_bit else fmt
+           for key, rows_ in weights.items()}
+    return choose(model, KIND, weights, eight_bit, fmt, target, rows, cache_dir, reference), low
 
 
-def graph_formats(choice, model) -> dict:
-    """The choice's formats keyed as the graphs' weights: the LM head (head.onnx's MatMul on the tied table)
-    takes the table's format."""
+def escalation(kept: int, ranked: int) -> list[int]:
+    """How many of the most sensitive weights to keep safer, in the order the gate tries them: the choice's
+    own count, then 1/16, 1/8, 1/4, 1/2 and all of the ranked weights (the calibration text is shorter than
+    the gate's shapes, so the choice can meet its target there and miss one of them)."""
+    return sorted({kept} | {n for n in (ranked // 16, ranked // 8, ranked // 4, ranked // 2, ranked) if n > kept})
+
+
+def graph_formats(formats: dict, model) -> dict:
+    """`formats` keyed as the graphs' weights: the LM head (head.onnx's MatMul on the tied table) takes the
+    table's format."""
     table = model.embed.weight.detach().numpy()
-    formats = dict(choice.formats)
-    formats[weight_key("gemms", table)] = choice.formats.get(weight_key("embeddings", table), "fp32")
+    formats = dict(formats)
+    formats[weight_key("gemms", table)] = formats.get(weight_key("embeddings", table), "fp32")
     return formats
 
 
