@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ MODEL_TYPE = "trtserve_parallel_track"
 WEIGHTS = "model.safetensors"
 # The tokenizer files a checkpoint carries (SmolLM2's), copied on into its track-sharded engines.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SEPARATOR = "<|endoftext|>"  # joins the training paragraphs: the trained model's end of sequence
 
 
 def compact_lookup(vocab, size: int) -> np.ndarray:
@@ -93,3 +95,41 @@ class PTConfig:
 def is_parallel_track(path: Path) -> bool:
     config = Path(path) / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+
+
+def tokenizer_dir() -> Path:
+    from trtserve.models.sources import resolve
+
+    return resolve("SmolLM2-135M-Instruct").path
+
+
+@lru_cache(maxsize=1)
+def corpus() -> tuple[list[int], list[int]]:
+    """(train, held-out) token streams: Wikipedia paragraphs joined by EOS; the last 10% held out."""
+    from tokenizers import Tokenizer
+
+    from trtserve.data.corpus import wiki_paragraphs
+
+    tok = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
+    eos = tok.token_to_id(SEPARATOR)
+    paragraphs = wiki_paragraphs()
+    cut = len(paragraphs) * 9 // 10
+
+    def stream(items):
+        out = []
+        for encoding in tok.encode_batch(list(items), add_special_tokens=False):
+            out.extend(encoding.ids)
+            out.append(eos)
+        return out
+
+    return stream(paragraphs[:cut]), stream(paragraphs[cut:])
+
+
+def to_compact(ids: list[int], vocab):
+    """Tokenizer ids -> the model's compact ids (0 for tokens outside its vocabulary)."""
+    import torch
+
+    ids = np.asarray(ids, dtype=np.int64)
+    vocab = np.asarray(vocab.tolist(), dtype=np.int64)
+    size = int(max(ids.max(initial=0), vocab.max(initial=0))) + 1
+    return torch.from_numpy(compact_lookup(vocab, size)[ids])

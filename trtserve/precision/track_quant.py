@@ -79,7 +79,7 @@ class TrackReference:
 def held_out(model, length: int, rows: int, skip: int = 0) -> np.ndarray:
     """`rows` consecutive windows of `length` compact ids from the held-out 10% of the training text,
     after the first `skip` windows of that length."""
-    from trtserve.research.pt_train import corpus, to_compact
+    from trtserve.models.parallel_track import corpus, to_compact
 
     stream = to_compact(corpus()[1], model.vocab).numpy()
     need = (skip + rows) * length

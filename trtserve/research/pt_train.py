@@ -13,16 +13,12 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
-
-from trtserve.models.parallel_track import PTConfig, compact_lookup
+from trtserve.models.parallel_track import SEPARATOR, PTConfig, corpus, to_compact, tokenizer_dir  # noqa: F401
 from trtserve.progress import say
 
 RECIPE_VERSION = 2  # bump when the training code changes what a recipe produces
-SEPARATOR = "<|endoftext|>"  # joins the training paragraphs: the trained model's end of sequence
 
 
 @dataclass(frozen=True)
@@ -66,50 +62,12 @@ RECIPES = {
 }
 
 
-def tokenizer_dir() -> Path:
-    from trtserve.models.sources import resolve
-
-    return resolve("SmolLM2-135M-Instruct").path
-
-
-@lru_cache(maxsize=1)
-def corpus() -> tuple[list[int], list[int]]:
-    """(train, held-out) token streams: Wikipedia paragraphs joined by EOS; the last 10% held out."""
-    from tokenizers import Tokenizer
-
-    from trtserve.data.corpus import wiki_paragraphs
-
-    tok = Tokenizer.from_file(str(tokenizer_dir() / "tokenizer.json"))
-    eos = tok.token_to_id(SEPARATOR)
-    paragraphs = wiki_paragraphs()
-    cut = len(paragraphs) * 9 // 10
-
-    def stream(items):
-        out = []
-        for encoding in tok.encode_batch(list(items), add_special_tokens=False):
-            out.extend(encoding.ids)
-            out.append(eos)
-        return out
-
-    return stream(paragraphs[:cut]), stream(paragraphs[cut:])
-
-
 def compact_vocab(train: list[int], size: int):
     """Tokenizer ids of compact ids 1..size-1: the most frequent in the training stream (0 is unknown)."""
     import torch
 
     common = [token for token, _ in Counter(train).most_common(size - 1)]
     return torch.tensor([-1] + common, dtype=torch.long)
-
-
-def to_compact(ids: list[int], vocab):
-    """Tokenizer ids -> the model's compact ids (0 for tokens outside its vocabulary)."""
-    import torch
-
-    ids = np.asarray(ids, dtype=np.int64)
-    vocab = np.asarray(vocab.tolist(), dtype=np.int64)
-    size = int(max(ids.max(initial=0), vocab.max(initial=0))) + 1
-    return torch.from_numpy(compact_lookup(vocab, size)[ids])
 
 
 def perplexity(model, stream, seq: int, windows: int = 64) -> float:
