@@ -233,6 +233,8 @@ def _quantized(exports: Path, tmp: Path, graphs: dict, model, chosen: tuple, tar
     """Write the graphs under each int8-activation plan in turn, keeping more of the most sensitive weights
     safer each time one misses (track_quant.escalation), until the engines meet `target`; return the
     manifest's precision entries (the weights' formats, the tries that missed, fidelity)."""
+    import dataclasses
+
     from trtserve.precision.quant_policy import apply_quantized
     from trtserve.precision.run import summary
     from trtserve.precision.sensitivity import mixed
@@ -244,7 +246,7 @@ def _quantized(exports: Path, tmp: Path, graphs: dict, model, chosen: tuple, tar
     tries = [(kept, plan, what) for plan, what in PLANS for kept in escalation(choice.kept, len(choice.sensitivity))]
     for number, (kept, plan, what) in enumerate(tries):
         formats = graph_formats(mixed(low, choice.sensitivity, kept), model)
-        try_choice = type(choice)(formats, choice.sensitivity, choice.modules, choice.whole, kept)
+        try_choice = dataclasses.replace(choice, formats=formats, kept=kept)
 
         def rewrite(graph, name, plan=plan, try_choice=try_choice):
             graph, report = apply_quantized(graph, try_choice, plan)

@@ -322,6 +322,12 @@ def _decoder_case(backend, ref_model, ids: np.ndarray, mask: np.ndarray, real: b
             attention_mask=torch.from_numpy(mask),
             position_ids=torch.from_numpy(generate.positions_from_mask(mask)),
         ).logits.numpy()
+    return logits_case(ref, logits, ids, mask, real)
+
+
+def logits_case(ref: np.ndarray, logits: np.ndarray, ids: np.ndarray, mask: np.ndarray, real: bool) -> dict:
+    """A decoder case from [B, S, V] logits and the reference's on the same ids: the logits of every kept
+    position compared; top-1 and perplexity on real text only."""
     keep = mask.astype(bool)
     case = {"batch": int(ids.shape[0]), "tokens": int(keep.sum()), "logits": compare(ref[keep], logits[keep])}
     if real:

@@ -167,14 +167,13 @@ def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, f
     low = {key: ("fp32" if r.shape[1] % BLOCK or key not in ref.originals else "int8" if key in eight_bit else fmt)
            for key, r in weights.items()}
     sensitivity = {key: ref.metrics({key: f}, short=True)["effect"] for key, f in low.items() if f != "fp32"}
-    ranked = sorted(sensitivity, key=sensitivity.get, reverse=True)
 
     def mix(kept: int) -> dict:
         return mixed(low, sensitivity, kept)
 
     kept, best = 0, ref.metrics(mix(0))
     if not meets(best, target):
-        lo, hi = 0, len(ranked)
+        lo, hi = 0, len(sensitivity)
         best = ref.metrics(mix(hi))
         while lo + 1 < hi:  # invariant: mix(hi) meets the target (or hi is everything), mix(lo) does not
             mid = (lo + hi) // 2

@@ -127,8 +127,7 @@ def fidelity(engines, model, target) -> dict:
     model's maximum length (ROWS rows each), and on random ids; a report as the build gate writes it."""
     import torch
 
-    from trtserve.precision.fidelity import compare, perplexity, top1_agreement
-    from trtserve.precision.measure import failures, target_json
+    from trtserve.precision.measure import failures, logits_case, target_json
 
     longest = model.cfg.max_positions
     lengths = sorted({n for n in LENGTHS if n < longest} | {longest})
@@ -142,14 +141,8 @@ def fidelity(engines, model, target) -> dict:
         got = engines.forward(ids, reduce=lambda x: x, every_position=True)
         with torch.inference_mode():
             want = model(torch.from_numpy(ids))[0].numpy()
-        case = {"input": kind, "batch": ROWS, "tokens": int(ids.size), "logits": compare(want, got)}
-        if kind == "real":
-            mask = np.ones_like(ids)
-            ppl_ref, ppl_out = perplexity(want, ids, mask), perplexity(got, ids, mask)
-            case.update({"top1_agreement": top1_agreement(want, got), "perplexity_torch": ppl_ref,
-                         "perplexity_engine": ppl_out,
-                         "perplexity_rel_delta": abs(ppl_out - ppl_ref) / ppl_ref if np.isfinite(ppl_out) else float("inf")})
-        cases[f"{kind} {ROWS}x{length}"] = case
+        cases[f"{kind} {ROWS}x{length}"] = {"input": kind,
+                                            **logits_case(want, got, ids, np.ones_like(ids), kind == "real")}
     report = {"text": "Wikipedia, the training text's held-out 10%", "cases": cases}
     missed = failures(report, target)
     return {"onnxruntime": report, "passed": not missed, "failures": missed, "lengths": lengths,
