@@ -109,12 +109,16 @@ def test_resume_runs_only_what_is_missing_and_report_regenerates(quick_run, tmp_
     out.mkdir()
     lines = (quick_run / "results.jsonl").read_text().splitlines()
     (out / "results.jsonl").write_text("\n".join(lines[:-5]) + "\n" + lines[-5][:20])  # the last line cut short
+    earlier = json.loads((quick_run / "engines.json").read_text())
+    (out / "engines.json").write_text(json.dumps({f"earlier run/{k}": v for k, v in earlier.items()}))
     again = run_cli("eval", "--preset", "quick", "--out", str(out))
     assert again.returncode == 2 and "--resume" in again.stderr  # never overwrites results silently
     resumed = run_cli("eval", "--preset", "quick", "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "27 already measured, 5 to run" in resumed.stderr
     assert sorted({r["key"] for r in rows_of(out) if "status" in r}) == sorted(r["key"] for r in rows_of(quick_run))
+    gates = json.loads((out / "engines.json").read_text())  # the earlier run's engines keep their gate lines
+    assert {f"earlier run/{k}" for k in earlier} <= set(gates) and set(gates) - {f"earlier run/{k}" for k in earlier}
     (out / "report.md").unlink()
     assert run_cli("eval", "report", str(out)).returncode == 0 and (out / "report.md").is_file()
 

@@ -124,8 +124,11 @@ def _target_lines(rows: list[dict]) -> list[str]:
 def _engine_lines(built: dict) -> list[str]:
     """The engines' build-time fidelity: what each gate measured, worst over its shapes."""
     lines = ["", "## Build-time fidelity (each engine's gate, worst over its shapes)", "",
+             "Resident: what a fresh process holds once it loaded the engine's ONNX Runtime graph and ran it on 4 "
+             "tokens, measured by the build (`trtserve info`); the Memory table's figures are taken inside this "
+             "long-running process.", "",
              "| model / policy | run | passed | worst-token cos, real | worst-token cos, random | top-1 | ppl delta | "
-             "sentence cos, mean | top-10 neighbours | sentiment flips |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "sentence cos, mean | top-10 neighbours | sentiment flips | resident |", "|---" * 11 + "|"]
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
     for key, entry in built.items():
         for run, w in entry["runs"].items():
@@ -134,7 +137,8 @@ def _engine_lines(built: dict) -> list[str]:
             lines.append(f"| {key} | {run} | {'yes' if entry['passed'] else 'no'} | {w['token_cosine']:.6f} | "
                          f"{fmt(w.get('random_token_cosine'), '.6f')} | {fmt(w.get('top1'), '.2%')} | "
                          f"{fmt(w.get('ppl_delta'), '.2e')} | {fmt(sentences.get('mean_cosine'), '.6f')} | "
-                         f"{fmt(sentences.get('neighbours'), '.1%')} | {'' if flips is None else flips} |")
+                         f"{fmt(sentences.get('neighbours'), '.1%')} | {'' if flips is None else flips} | "
+                         f"{fmt(entry.get('resident_mb'), '.0f')}{'' if entry.get('resident_mb') is None else ' MB'} |")
     return lines
 
 

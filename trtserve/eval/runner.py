@@ -85,10 +85,21 @@ def run_grid(grid: Grid, out: Path, resume: bool = False) -> Path:
             sink.flush()
             progress.tick(config.key)
     session.downstream()
-    built = {f"{model}/{precision}": engine_fidelity(engine) for (model, precision), engine in session.engines.items()}
+    built = _earlier_engines(out) if resume else {}  # a resumed run opens only the engines its rows need
+    built.update({f"{model}/{precision}": engine_fidelity(engine)
+                  for (model, precision), engine in session.engines.items()})
     (out / ENGINES).write_text(json.dumps(built, indent=1))
     session.close()
     return out / RESULTS
+
+
+def _earlier_engines(out: Path) -> dict:
+    """The engines' gates recorded by the runs this one resumes (unreadable: none)."""
+    try:
+        earlier = json.loads((out / ENGINES).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return earlier if isinstance(earlier, dict) else {}
 
 
 class _Session:
@@ -341,7 +352,8 @@ def engine_fidelity(engine) -> dict:
     runs = {name: worst(fidelity[name]) for name in ("onnxruntime", "fp16_emulation") if name in fidelity}
     sentences = {name: fidelity[name]["sentences"] for name in runs if fidelity[name].get("sentences")}
     return {"passed": fidelity["passed"], "failures": fidelity["failures"], "lengths": fidelity["lengths"],
-            "target": fidelity["target"], "runs": runs, "sentences": sentences}
+            "target": fidelity["target"], "runs": runs, "sentences": sentences,
+            "resident_mb": engine.manifest.get("backend", {}).get("resident_mb")}  # a fresh process, loaded and run
 
 
 def _reset_peak_rss() -> None:
