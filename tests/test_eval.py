@@ -89,6 +89,7 @@ def test_quick_run_report_is_internally_consistent(quick_run):
     assert built["all-MiniLM-L6-v2/hybrid"]["passed"] and set(built["all-MiniLM-L6-v2/hybrid"]["runs"]) == {
         "onnxruntime", "fp16_emulation"}
     assert built["all-MiniLM-L6-v2/hybrid"]["sentences"]["onnxruntime"]["neighbours"] >= 0.95
+    assert built["all-MiniLM-L6-v2/hybrid"]["resident_mb"] > 10  # its build's fresh-process figure (Linux)
     sizes = {(r["backend"], r["precision"]): r["engine_bytes"] for r in rows}
     assert sizes[("onnxruntime", "hybrid")] < 0.6 * sizes[("onnxruntime", "fp32")]
     down = json.loads((quick_run / "downstream.json").read_text())
@@ -99,6 +100,9 @@ def test_quick_run_report_is_internally_consistent(quick_run):
     assert "## Speedup over torch fp32" in report and "fp16-emulation/hybrid" in report
     assert "| all-MiniLM-L6-v2/fp16-emulation/hybrid | 8 | 0 |" in report  # 8 shapes, none missing its target
     assert "## Build-time fidelity" in report and "| all-MiniLM-L6-v2/hybrid | fp16_emulation | yes |" in report
+    hybrid_gate = next(line for line in report.splitlines()
+                       if line.startswith("| all-MiniLM-L6-v2/hybrid | onnxruntime |"))
+    assert hybrid_gate.endswith(f"| {built['all-MiniLM-L6-v2/hybrid']['resident_mb']:.0f} MB |")
     for plot in ("latency", "speedup", "fidelity", "memory"):
         assert (quick_run / f"{plot}-all-MiniLM-L6-v2.png").read_bytes()[:4] == b"\x89PNG"
 
