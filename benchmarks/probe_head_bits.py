@@ -20,14 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BLOCK = 32
 
 
-def dequantize(blocks) -> np.ndarray:
-    n, k = blocks.q.shape
-    w = blocks.q.reshape(n, k // BLOCK, BLOCK).astype(np.float32) * blocks.scale[..., None]
-    if blocks.minimum is not None:
-        w = w + blocks.minimum[..., None]
-    return w.reshape(n, k)
-
-
 def int8_activations(h: np.ndarray) -> np.ndarray:
     blocks = h.reshape(*h.shape[:-1], -1, BLOCK)
     scale = np.abs(blocks).max(-1, keepdims=True) / 127
@@ -52,7 +44,7 @@ def main() -> None:
     model = load_torch_model(source, attention="eager")
     rows = Corpus.wikipedia().rows(load_hf_tokenizer(source.path), args.rows, args.length, special=False)
     head = model.lm_head.weight.detach().numpy()
-    heads = {bits: dequantize(quantize_rows(head, bits)) for bits in ("int8", "int4")}
+    heads = {bits: quantize_rows(head, bits).dequantized() for bits in ("int8", "int4")}
     agree: dict[str, list] = {}
     with torch.no_grad():
         for row in rows:
