@@ -1,6 +1,8 @@
 import numpy as np
+import pytest
 
 from trtserve.precision.fidelity import compare, cosine, nonfinite_count, perplexity, top1_agreement, worst_row_cosine
+from trtserve.precision.measure import Target
 
 
 def test_identical_arrays_are_perfect():
@@ -63,6 +65,12 @@ def test_sentence_metrics_are_checked_only_where_the_target_asks():
     assert "mean sentence cosine nan" in failures(report, Target(min_mean_cosine=0.9))[0]
     assert Target.parse("neighbours=0.9,flips=0,mean_cosine=0.999") == Target(min_neighbours=0.9, max_flips=0,
                                                                               min_mean_cosine=0.999)
+
+
+@pytest.mark.parametrize("target", [Target(), Target.parity(), Target.for_weights("int8", "encoder"),
+                                    Target.for_weights("int4", "decoder"), Target.parse("random_token_cosine=0.9994")])
+def test_a_target_written_for_the_rebuild_command_reads_back_the_same(target):
+    assert Target.parse(target.text()) == target
 
 
 def testneighbour_agreement_counts_shared_top10_neighbours():

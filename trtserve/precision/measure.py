@@ -24,6 +24,11 @@ WIDE_TOKENS = 1024
 WIDE_REAL_LENGTH = 128
 
 
+TARGET_KEYS = {"cosine": "min_cosine", "token_cosine": "min_token_cosine", "top1": "min_top1",
+               "ppl_delta": "max_ppl_delta", "max_abs": "max_abs_error", "mean_cosine": "min_mean_cosine",
+               "neighbours": "min_neighbours", "flips": "max_flips", "random_token_cosine": "min_random_token_cosine"}
+
+
 @dataclass(frozen=True)
 class Target:
     """What a build must reach. fp32 builds use `parity()`; mixed ones the fidelity default."""
@@ -71,16 +76,18 @@ class Target:
     @classmethod
     def parse(cls, text: str) -> "Target":
         """'cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005' (any subset)."""
-        keys = {"cosine": "min_cosine", "token_cosine": "min_token_cosine", "top1": "min_top1",
-                "ppl_delta": "max_ppl_delta", "max_abs": "max_abs_error", "mean_cosine": "min_mean_cosine",
-                "neighbours": "min_neighbours", "flips": "max_flips", "random_token_cosine": "min_random_token_cosine"}
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, _, value = item.partition("=")
-            if key not in keys:
-                raise ValueError(f"unknown fidelity key {key!r}; use {', '.join(keys)}")
-            values[keys[key]] = int(float(value)) if key == "flips" else float(value)
+            if key not in TARGET_KEYS:
+                raise ValueError(f"unknown fidelity key {key!r}; use {', '.join(TARGET_KEYS)}")
+            values[TARGET_KEYS[key]] = int(float(value)) if key == "flips" else float(value)
         return cls(**values)
+
+    def text(self) -> str:
+        """What `parse` reads back as this target (the fields it sets; the others keep their defaults)."""
+        return ",".join(f"{key}={getattr(self, field)!r}" for key, field in TARGET_KEYS.items()
+                        if getattr(self, field) is not None)
 
 
 class Corpus:
