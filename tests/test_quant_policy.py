@@ -5,6 +5,7 @@ into MatMulNBits and computes like torch with the same dequantized weights, and 
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -140,6 +141,40 @@ def test_strict_target_keeps_the_most_sensitive_weight_safer():
     assert all(strict.formats[k] in ("int8", "fp32") for k in eight_bit)
     never = choose(torch_model, "decoder", weights, eight_bit, "int8", Target(min_top1=1.01), _rows())
     assert never.kept == len(never.sensitivity) and set(never.formats.values()) == {"fp32"}
+
+
+def test_a_widened_choice_moves_the_next_most_sensitive_weights_one_step_and_says_so():
+    """What the build does when its gate misses a shape the calibration text did not have."""
+    from trtserve.precision.sensitivity import mixed, widened
+
+    torch_model = TinyDecoder().eval()
+    fp32 = graph_of(torch_model)
+    weights, eight_bit = candidates(fp32)
+    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
+    low = dict(choice.formats)  # kept 0: every weight in its starting format
+    ranked = sorted(choice.sensitivity, key=choice.sensitivity.get, reverse=True)
+    for kept in (1, 2, 4):
+        wider = widened(choice, kept)
+        assert wider.formats == mixed(low, choice.sensitivity, kept)  # what the calibration search would write
+        assert wider.kept == kept and wider.kept_by_calibration == 0 and wider.whole == choice.whole
+        assert all(wider.formats[k] == {"int4": "int8", "int8": "fp32"}[low[k]] for k in ranked[:kept])
+        assert all(wider.formats[k] == low[k] for k in ranked[kept:])
+    twice = widened(widened(choice, 1), 3)  # widening again starts after the weights already moved
+    assert twice.formats == widened(choice, 3).formats and twice.kept_by_calibration == 0
+    _, report = apply_quantized(_copy(fp32), widened(choice, 1))
+    assert report["kept_safer"] == 1 and report["kept_safer_by_calibration"] == 0
+    assert "kept_safer_by_calibration" not in apply_quantized(_copy(fp32), choice)[1]
+    from trtserve.engine_builder.info import _graph
+
+    assert "widened because the gate missed with the 0 chosen on calibration text, where that mix" in _graph(report)
+    from trtserve.engine_builder.build import _widening
+
+    tries = _widening(choice, "int4")  # what a plan whose full gate misses tries, in order
+    assert tries[0] == 0 and tries == sorted(tries) and 4 not in tries  # all 4 safer: no int4 weight left
+    assert all("int4" in widened(choice, kept).formats.values() for kept in tries)
+    assert len(tries) > 1  # every weight of this model is off the int4 grid: each measured above 0
+    on_grid = dataclasses.replace(choice, sensitivity=dict.fromkeys(choice.sensitivity, 0.0))
+    assert _widening(on_grid, "int4") == [0]  # weights on their format's grid: moving them gains nothing
 
 
 def test_eight_bit_gemms_outside_the_activation_plan_keep_fp32_weights():

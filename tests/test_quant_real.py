@@ -83,3 +83,26 @@ def test_a_calibration_text_too_short_is_refused_with_the_minimum(tmp_path):
                      "--calibration", str(short))
     assert result.returncode != 0 and not (tmp_path / "e").exists()
     assert "measures each weight's sensitivity on 4 rows of 128 tokens" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_gate_that_misses_a_shape_the_calibration_lacks_widens_the_choice(tmp_path_factory):
+    """Random ids are in the gate, not in the calibration text nor the plans' screen: held to a random-id
+    bound the calibration's mix misses, the build keeps more of the most sensitive weights fp32 and measures
+    again within the same activation plan, and records every try."""
+    from trtserve.precision.run import worst
+
+    target = "cosine=0.9995,token_cosine=0.999,mean_cosine=0.9995,neighbours=0.95,flips=1,random_token_cosine=0.9994"
+    out, manifest = _build(tmp_path_factory, "all-MiniLM-L6-v2", "int8", "--fidelity-target", target)
+    graph, backend = manifest["precision"]["graph"], manifest["backend"]
+    assert manifest["fidelity"]["passed"]
+    assert worst(manifest["fidelity"]["onnxruntime"])["random_token_cosine"] >= 0.9994
+    first = graph["kept_safer_by_calibration"]
+    assert graph["kept_safer"] > first
+    plan = backend["int8_activations"]
+    widening = [t for t in backend["int8_activations_missed"] if t["plan"] == plan]
+    assert widening[0]["kept_safer"] == first and "random ids" in widening[0]["fidelity"]
+    assert [t["kept_safer"] for t in widening] == sorted(t["kept_safer"] for t in widening)
+    assert all(t["kept_safer"] < graph["kept_safer"] for t in widening)
+    assert "random_token_cosine=0.9994" in manifest["build_command"]  # the rebuild command holds the target
+    info = run_cli("info", str(out))
+    assert info.returncode == 0 and f"widened because the gate missed with the {first} chosen" in info.stdout

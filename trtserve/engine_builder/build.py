@@ -122,6 +122,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
                                      else Target.for_weights(policy.weights, source.info.kind))
     harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
     harness.grid_shapes = grid or []
+    _copy_tokenizer_files(source, tmp)  # before any measurement: --confirm-grid's real-text rows are tokenized from it
     search_record = None
     if policy.name == "auto":
         import onnx
@@ -130,7 +131,6 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
 
         with step("auto precision: overflow probe and search under fp16 emulation"):
             policy, search_record = search(onnx.load(str(fp32_graph)), harness)
-    _copy_tokenizer_files(source, tmp)
     manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
     report = _precision_and_ort(tmp, manifest, policy, search_record, source, fp32_graph, target, harness, why)
     manifest["backend"]["weights"] = map_weights(tmp / OPTIMIZED)
@@ -166,11 +166,15 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
                        harness, why: str) -> dict:
     """Write the policy into the graph, optimize it for ONNX Runtime, measure it; return the fidelity report.
 
-    Quantized policies try the activation plans (precision.activations) fastest first, keeping the first
-    that meets the target; the plans that missed are recorded in the backend entry."""
+    Quantized policies try the activation plans (precision.activations) fastest first. A plan whose quick
+    screen passes is measured in full; where that misses, int8 and int4 keep more of their most sensitive
+    weights one step safer (track_quant.escalation: the calibration text is shorter than the gate's shapes)
+    before the next plan is tried. The first engine that meets the target is kept; the tries that missed
+    are recorded in the backend entry."""
     from trtserve.engine_builder.onnxruntime import build_ort
     from trtserve.precision.run import measure_engine, screen_summary, summary
     from trtserve.precision.search import SEARCH_MAX_LENGTH
+    from trtserve.precision.sensitivity import widened
 
     onnx_path = tmp / ONNX_FILE
     plans, tried, written, blocks = [None], [], None, None
@@ -181,37 +185,63 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
 
         plans = activation_plans(onnx.load(str(fp32_graph)))
         blocks = _weight_blocks(policy, source, fp32_graph, harness, target)  # once, for every plan
+    measured = policy.weights not in ("float", "gguf")  # each weight's format chosen here: it can be widened
     for plan in plans:
         keep = (plan.fp32_weights if policy.weights == "gguf" else plan.int8) if plan else frozenset()
-        if keep != written:
-            graph_report, written = _apply_precision(fp32_graph, policy, onnx_path, source, keep, blocks), keep
-        label = f", int8 activations in {plan.label}" if plan else ""
-        with step(f"optimizing the graph with ONNX Runtime{label}"):
-            backend_entry = build_ort(onnx_path, tmp, plan.int8 if plan else None)
-        backend_entry["chosen_because"] = why
-        if plan:
-            backend_entry.update(int8_activations=plan.label, int8_activations_missed=list(tried))
-        manifest.update({
-            "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
-                     "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
-            "precision": dict(policy.describe(), graph=graph_report, search=search_record),
-            "backend": backend_entry,
-        })
-        if plan is not plans[-1]:  # a quick screen first: prefill only, lengths up to the search's limit
-            harness.engine = engine_dir.EngineDir(tmp, manifest)
-            short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH]
-            with step(f"screening int8 activations in {plan.label}"):
-                screen = harness.run(decode=False, lengths=short, wide=False)
-            if not screen["passed"]:
-                tried.append({"plan": plan.label, "fidelity": screen_summary(screen, short, harness.corpus.name)})
-                say(f"int8 activations in {plan.label} miss the target: {tried[-1]['fidelity']}")
-                continue
-        report = measure_engine(engine_dir.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
-        if report["passed"] or plan is plans[-1]:
-            return report
-        tried.append({"plan": plan.label, "fidelity": summary(report)})
-        say(f"int8 activations in {plan.label} miss the target: {summary(report)}")
+        counts = _widening(blocks, policy.weights) if measured else [None]
+        for number, kept in enumerate(counts):
+            chosen = widened(blocks, kept) if measured and kept > blocks.kept else blocks
+            if (keep, kept) != written:
+                graph_report = _apply_precision(fp32_graph, policy, onnx_path, source, keep, chosen)
+                written = (keep, kept)
+            label = f", int8 activations in {plan.label}" if plan else ""
+            label += f", the {kept} most sensitive weights kept safer" if kept is not None and kept > blocks.kept else ""
+            with step(f"optimizing the graph with ONNX Runtime{label}"):
+                backend_entry = build_ort(onnx_path, tmp, plan.int8 if plan else None)
+            backend_entry["chosen_because"] = why
+            if plan:
+                backend_entry.update(int8_activations=plan.label, int8_activations_missed=list(tried))
+            manifest.update({
+                "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
+                         "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
+                "precision": dict(policy.describe(), graph=graph_report, search=search_record),
+                "backend": backend_entry,
+            })
+            if plan is not plans[-1] and number == 0:  # a quick screen first: prefill only, shorter lengths
+                harness.engine = engine_dir.EngineDir(tmp, manifest)
+                short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH]
+                with step(f"screening int8 activations in {plan.label}"):
+                    screen = harness.run(decode=False, lengths=short, wide=False)
+                if not screen["passed"]:
+                    tried.append({"plan": plan.label, "fidelity": screen_summary(screen, short, harness.corpus.name)})
+                    say(f"int8 activations in {plan.label} miss the target: {tried[-1]['fidelity']}")
+                    break
+            report = measure_engine(engine_dir.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
+            if report["passed"] or (plan is plans[-1] and number == len(counts) - 1):
+                return report
+            tried.append({"plan": plan.label, "fidelity": summary(report),
+                          **({"kept_safer": kept} if measured else {})})
+            say(f"int8 activations in {plan.label}"
+                + (f" with the {kept} most sensitive weights kept safer" if measured else "")
+                + f" miss the target: {summary(report)}")
     return report
+
+
+def _widening(choice, fmt: str) -> list[int]:
+    """How many of the most sensitive weights a plan tries keeping safer, in order (track_quant.escalation):
+    only counts that move a weight whose quantization alone changed the output (weights already on their
+    format's grid, as SmolLM2's on Q4_1's, measure 0 and gain nothing), and only while some weight keeps the
+    policy's own format (past that the engine would be another policy's)."""
+    from trtserve.precision.sensitivity import widened
+    from trtserve.precision.track_quant import escalation
+
+    effective = sum(value > 0 for value in choice.sensitivity.values())  # ranked first
+    counts = [choice.kept]
+    for kept in escalation(choice.kept, len(choice.sensitivity))[1:]:
+        if counts[-1] >= effective or fmt not in widened(choice, kept).formats.values():
+            break
+        counts.append(kept)
+    return counts
 
 
 def _weight_blocks(policy, source: ModelSource, fp32_graph: Path, harness, target):
@@ -399,6 +429,8 @@ def _rebuild_command(cfg: BuildConfig) -> str:
         parts += ["--max-seq", str(cfg.max_seq)]
     if cfg.calibration is not None:
         parts += ["--calibration", str(cfg.calibration)]
+    if cfg.fidelity_target is not None:
+        parts += ["--fidelity-target", cfg.fidelity_target.text()]
     if cfg.allow_low_fidelity:
         parts.append("--allow-low-fidelity")
     if cfg.confirm_grid:

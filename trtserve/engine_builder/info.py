@@ -79,6 +79,13 @@ def _io(spec: dict) -> str:
     return f"{spec['name']} {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"
 
 
+def _widened(report: dict) -> str:
+    first = report.get("kept_safer_by_calibration")
+    if first is None:
+        return "; on calibration text "
+    return f", widened because the gate missed with the {first} chosen on calibration text, where that mix measured "
+
+
 def _graph(report: dict) -> str:
     if not report:
         return ""
@@ -89,9 +96,9 @@ def _graph(report: dict) -> str:
         if "source" not in report:  # quantized here, each weight's format chosen by measured sensitivity
             return (f" ({len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings quantized, "
                     + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
-                    + f"; {len(report['fp32'])} weights fp32; the {report['kept_safer']} most sensitive kept safer; "
-                    "on calibration text " + ", ".join(f"{k} {v:.4g}" for k, v in report["calibration"].items()
-                                                       if k != "effect") + ")")
+                    + f"; {len(report['fp32'])} weights fp32; the {report['kept_safer']} most sensitive kept safer"
+                    + _widened(report) + ", ".join(
+                        f"{k} {v:.4g}" for k, v in report["calibration"].items() if k != "effect") + ")")
         return (f" (from {report['source']}: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings "
                 "read its blocks, " + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
                 + f"; {len(report['fp32'])} weights fp32)")

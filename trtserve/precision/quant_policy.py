@@ -37,6 +37,8 @@ def apply_quantized(model, choice, int8_activations: frozenset | None = None):
     fp32 weights."""
     found, report = {}, {"gemms": {}, "embeddings": {}, "fp32": {}, "calibration": choice.whole,
                          "kept_safer": choice.kept}
+    if choice.kept_by_calibration is not None:  # the gate missed with fewer: `calibration` is that smaller mix's
+        report["kept_safer_by_calibration"] = choice.kept_by_calibration
     blocks_of = {}
     for node, kind, rows, weight in weight_candidates(model.graph):
         key = weight_key(kind, rows)

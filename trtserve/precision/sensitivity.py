@@ -41,6 +41,7 @@ class Choice:
     modules: dict  # key -> torch module name (for the report)
     whole: dict  # metrics of the chosen mix on the calibration text
     kept: int  # how many of the most sensitive weights were kept in the safer format
+    kept_by_calibration: int | None = None  # set when the gate widened the choice: the count `whole` was measured at
 
 
 class _Reference:
@@ -154,6 +155,18 @@ def mixed(low: dict, sensitivity: dict, kept: int) -> dict:
     """The formats `low` with the `kept` most sensitive weights one step safer (int4 -> int8 -> fp32)."""
     safer = set(sorted(sensitivity, key=sensitivity.get, reverse=True)[:kept])
     return {k: (SAFER[f] if k in safer and f != "fp32" else f) for k, f in low.items()}
+
+
+def widened(choice: Choice, kept: int) -> Choice:
+    """`choice` with its `kept` most sensitive weights one step safer (`kept` >= choice.kept): the weights
+    ranked after the choice's own kept ones still hold their starting format, so each moves one step."""
+    ranked = sorted(choice.sensitivity, key=choice.sensitivity.get, reverse=True)
+    formats = dict(choice.formats)
+    for key in ranked[choice.kept:kept]:
+        if formats.get(key, "fp32") != "fp32":
+            formats[key] = SAFER[formats[key]]
+    first = choice.kept if choice.kept_by_calibration is None else choice.kept_by_calibration
+    return Choice(formats, choice.sensitivity, choice.modules, choice.whole, max(kept, choice.kept), first)
 
 
 def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target,
