@@ -83,13 +83,15 @@ def test_quick_run_report_is_internally_consistent(quick_run):
         else:
             assert r["fidelity"]["worst_row_cosine"] > 0.999
         if r["backend"] != "torch":  # each row judged by its engine's own target: MiniLM meets it everywhere
-            assert r["target_misses"] == []
+            assert r["target_misses"] == [] and r["fidelity_positions"] == "every"
     built = json.loads((quick_run / "engines.json").read_text())
     assert set(built) == {"all-MiniLM-L6-v2/fp32", "all-MiniLM-L6-v2/hybrid"}
     assert built["all-MiniLM-L6-v2/hybrid"]["passed"] and set(built["all-MiniLM-L6-v2/hybrid"]["runs"]) == {
         "onnxruntime", "fp16_emulation"}
     assert built["all-MiniLM-L6-v2/hybrid"]["sentences"]["onnxruntime"]["neighbours"] >= 0.95
     assert built["all-MiniLM-L6-v2/hybrid"]["resident_mb"] > 10  # its build's fresh-process figure (Linux)
+    # each engine's gate held it to every shape the grid runs: MiniLM, batch 1 and 4, 32 and 64 tokens, 2 inputs
+    assert built["all-MiniLM-L6-v2/hybrid"]["grid_shapes"] == built["all-MiniLM-L6-v2/fp32"]["grid_shapes"] == 8
     sizes = {(r["backend"], r["precision"]): r["engine_bytes"] for r in rows}
     assert sizes[("onnxruntime", "hybrid")] < 0.6 * sizes[("onnxruntime", "fp32")]
     down = json.loads((quick_run / "downstream.json").read_text())
@@ -100,8 +102,10 @@ def test_quick_run_report_is_internally_consistent(quick_run):
     assert "## Speedup over torch fp32" in report and "fp16-emulation/hybrid" in report
     assert "| all-MiniLM-L6-v2/fp16-emulation/hybrid | 8 | 0 |" in report  # 8 shapes, none missing its target
     assert "## Build-time fidelity" in report and "| all-MiniLM-L6-v2/hybrid | fp16_emulation | yes |" in report
+    assert "Every position of every row is judged." in report
     hybrid_gate = next(line for line in report.splitlines()
                        if line.startswith("| all-MiniLM-L6-v2/hybrid | onnxruntime |"))
+    assert hybrid_gate.startswith("| all-MiniLM-L6-v2/hybrid | onnxruntime | yes | 8 |")
     assert hybrid_gate.endswith(f"| {built['all-MiniLM-L6-v2/hybrid']['resident_mb']:.0f} MB |")
     for plot in ("latency", "speedup", "fidelity", "memory"):
         assert (quick_run / f"{plot}-all-MiniLM-L6-v2.png").read_bytes()[:4] == b"\x89PNG"

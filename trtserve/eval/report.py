@@ -111,8 +111,8 @@ def _target_lines(rows: list[dict]) -> list[str]:
     if not judged:
         return []
     lines = ["", "## Every shape against the engine's own target", "",
-             "Each row's fidelity (on the sampled positions) judged by the target its engine's build gate used; "
-             "random ids by their own cosine bound, top-1 on real text only.", "",
+             "Each row's fidelity judged by the target its engine's build gate used; random ids by their own "
+             "cosine bound, top-1 on real text only. " + _positions(judged), "",
              "| model / backend / policy | shapes | missing the target | first miss |", "|---|---|---|---|"]
     for (m, b, p), g in _groups(judged, "model", "backend", "precision").items():
         missed = [r for r in g if r["target_misses"]]
@@ -121,20 +121,31 @@ def _target_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _positions(rows: list[dict]) -> str:
+    """Which positions the rows were judged on: every one, or (rows from before that) at most 64 per row."""
+    sampled = sum(r.get("fidelity_positions") != "every" for r in rows)
+    if not sampled:
+        return "Every position of every row is judged."
+    return (f"{len(rows) - sampled} rows are judged on every position; {sampled} rows, measured by an earlier "
+            "runner, on at most 64 evenly spaced positions per row (a row of 512 tokens on every 8th).")
+
+
 def _engine_lines(built: dict) -> list[str]:
     """The engines' build-time fidelity: what each gate measured, worst over its shapes."""
     lines = ["", "## Build-time fidelity (each engine's gate, worst over its shapes)", "",
              "Resident: what a fresh process holds once it loaded the engine's ONNX Runtime graph and ran it on 4 "
              "tokens, measured by the build (`trtserve info`); the Memory table's figures are taken inside this "
-             "long-running process.", "",
-             "| model / policy | run | passed | worst-token cos, real | worst-token cos, random | top-1 | ppl delta | "
-             "sentence cos, mean | top-10 neighbours | sentiment flips | resident |", "|---" * 11 + "|"]
+             "long-running process. Grid shapes: how many of the gate's shapes were this evaluation's own (its "
+             "builds hold each engine to every shape the grid runs for the model, with the same token ids).", "",
+             "| model / policy | run | passed | grid shapes | worst-token cos, real | worst-token cos, random | top-1 | "
+             "ppl delta | sentence cos, mean | top-10 neighbours | sentiment flips | resident |", "|---" * 12 + "|"]
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
     for key, entry in built.items():
         for run, w in entry["runs"].items():
             sentences = entry["sentences"].get(run, {})
             flips = sentences.get("sentiment_flips")
-            lines.append(f"| {key} | {run} | {'yes' if entry['passed'] else 'no'} | {w['token_cosine']:.6f} | "
+            lines.append(f"| {key} | {run} | {'yes' if entry['passed'] else 'no'} | {entry.get('grid_shapes', '')} | "
+                         f"{w['token_cosine']:.6f} | "
                          f"{fmt(w.get('random_token_cosine'), '.6f')} | {fmt(w.get('top1'), '.2%')} | "
                          f"{fmt(w.get('ppl_delta'), '.2e')} | {fmt(sentences.get('mean_cosine'), '.6f')} | "
                          f"{fmt(sentences.get('neighbours'), '.1%')} | {'' if flips is None else flips} | "

@@ -8,6 +8,7 @@ error, NaN/Inf count, top-1 for decoders)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -160,12 +161,12 @@ class _Session:
                    memory_bytes=None if working is None or loaded is None else working + loaded,
                    engine_bytes=(engine.path / "model.onnx").stat().st_size,
                    engine_sha256=engine.manifest["onnx"]["sha256"])
-        output = _sampled(output)
-        if config.backend == "torch":
-            self.references[config.shape] = output
+        if config.backend == "torch":  # kept for this shape's rows only: a decoder's logits are large
+            self.references = {config.shape: output}
         reference = self._reference(config, feeds) if "torch" in self.grid.backends else None
         if reference is not None:
             row["fidelity"] = _fidelity(reference, output, engine.manifest["model"]["kind"])
+            row["fidelity_positions"] = "every"  # earlier runs judged at most 64 evenly spaced positions per row
             if config.backend != "torch":
                 row["target_misses"] = _target_misses(row["fidelity"], config, engine.manifest)
         return row
@@ -175,7 +176,7 @@ class _Session:
         if config.shape not in self.references:
             torch_config = Config(config.model, "torch", "fp32", config.batch, config.sequence, config.input)
             backend = self._backend(torch_config)
-            self.references[config.shape] = _sampled(backend.infer(feeds)[_output_name(backend)])
+            self.references = {config.shape: backend.infer(feeds)[_output_name(backend)]}
         return self.references[config.shape]
 
     def downstream(self) -> None:
@@ -212,8 +213,14 @@ class _Session:
         if key not in self.engines:
             # at least 128 tokens: the downstream check embeds whole review sentences (up to about 70)
             max_seq, max_batch = max(max(self.grid.sequence), 128), max(self.grid.batch)
+            # held to its target on every shape of this grid (the build's gate measures them with the ids the
+            # rows feed: auto searches again, int8/int4 keep more weights safer, or the gate names the shape)
+            shapes = tuple(sorted({(c.model, c.input, c.batch, c.sequence) for c in self.grid.configs()
+                                   if c.model == model}))
+            confirm = hashlib.sha256(json.dumps([shapes, self.grid.seed]).encode()).hexdigest()[:8]
             # keyed by the builder's code too: an engine an older trtserve built lacks what this one measures
-            path = cache_root() / "eval" / f"{model}-{precision}-b{max_batch}-s{max_seq}-{build_code_digest()[:12]}"
+            path = cache_root() / "eval" / (f"{model}-{precision}-b{max_batch}-s{max_seq}-g{confirm}-"
+                                            f"{build_code_digest()[:12]}")
             try:
                 self.engines[key] = open_engine_dir(path)
             except EngineDirError:
@@ -221,7 +228,9 @@ class _Session:
                 try:
                     self.engines[key] = build_engine(BuildConfig(model=model, out=path, precision=precision,
                                                                  max_batch=max_batch, max_seq=max_seq,
-                                                                 allow_low_fidelity=True))
+                                                                 allow_low_fidelity=True, confirm_grid=self.grid.name,
+                                                                 confirm_shapes=shapes,
+                                                                 confirm_seed=self.grid.seed))
                 except TrtServeError as exc:  # a policy this model cannot have (gguf of a non-GGUF checkpoint)
                     if precision == "fp32":
                         raise
@@ -307,13 +316,6 @@ def _timed(backend, feeds: dict, min_runs: int, min_seconds: float) -> tuple[lis
     return samples, result[output_name]
 
 
-def _sampled(output: np.ndarray, positions: int = 64) -> np.ndarray:
-    """At most `positions` evenly spaced positions per row: decoder logits of a large batch would
-    otherwise take gigabytes to keep as a reference."""
-    step = max(1, output.shape[1] // positions) if output.ndim == 3 else 1
-    return np.ascontiguousarray(output[:, ::step]) if output.ndim == 3 else output
-
-
 def _latency(samples: list[float], config: Config) -> dict:
     ms = np.array(samples) * 1000
     p50 = float(np.percentile(ms, 50))
@@ -334,7 +336,7 @@ def _fidelity(reference: np.ndarray, output: np.ndarray, kind: str) -> dict:
 
 def _target_misses(fidelity: dict, config: Config, manifest: dict) -> list[str]:
     """How this row misses the fidelity target its engine was built to (`precision.measure.failures`; random
-    ids judged by their own bounds, top-1 on real text only; on the sampled positions of `_sampled`)."""
+    ids judged by their own bounds, top-1 on real text only; every position of every row)."""
     from trtserve.precision.measure import Target, failures
 
     tensor = {k: fidelity[k] for k in ("cosine", "worst_row_cosine", "max_abs_error", "nonfinite")}
@@ -353,7 +355,17 @@ def engine_fidelity(engine) -> dict:
     sentences = {name: fidelity[name]["sentences"] for name in runs if fidelity[name].get("sentences")}
     return {"passed": fidelity["passed"], "failures": fidelity["failures"], "lengths": fidelity["lengths"],
             "target": fidelity["target"], "runs": runs, "sentences": sentences,
-            "resident_mb": engine.manifest.get("backend", {}).get("resident_mb")}  # a fresh process, loaded and run
+            "resident_mb": engine.manifest.get("backend", {}).get("resident_mb"),  # a fresh process, loaded and run
+            "grid_shapes": _grid_shapes(engine.manifest)}
+
+
+def _grid_shapes(manifest: dict) -> int:
+    """How many of the gate's shapes came from `--confirm-grid` (the evaluation holds its engines to its grid)."""
+    parts = manifest.get("build_command", "").split()
+    if "--confirm-grid" not in parts:
+        return 0
+    name = Path(parts[parts.index("--confirm-grid") + 1]).stem
+    return sum(label.startswith(f"{name} ") for label in manifest["fidelity"]["onnxruntime"]["cases"])
 
 
 def _reset_peak_rss() -> None:
