@@ -46,6 +46,24 @@ def test_unknown_preset_lists_the_known_ones():
         load_grid(preset="nope")
 
 
+def test_the_gate_shapes_an_engine_took_from_a_confirm_grid_are_counted_by_its_recorded_label():
+    from trtserve.eval.runner import _grid_shapes
+
+    cases = {"random b8 seq128": {}, "random b1 seq64": {}, "random real b1 seq32": {}, "random random b4 seq32": {}}
+    # a grid file named random.toml: its cases start with "random " as the gate's own random-id cases do
+    manifest = {"build_command": "trtserve build-engine M --out E --confirm-grid /g/random.toml",
+                "confirm_grid": {"grid": "/g/random.toml", "label": "random", "shapes": 2},
+                "fidelity": {"onnxruntime": {"cases": cases}}}
+    assert _grid_shapes(manifest) == 2  # not the gate's own random-id cases
+    manifest["confirm_grid"]["label"] = "paper"
+    assert _grid_shapes(manifest) == 0
+    manifest["fidelity"]["onnxruntime"]["cases"] = {"paper real b1 seq32": {}, "random b8 seq128": {}}
+    assert _grid_shapes(manifest) == 1
+    del manifest["confirm_grid"]  # an engine built before the manifest recorded it
+    manifest["build_command"] = "trtserve build-engine M --out E --confirm-grid paper"
+    assert _grid_shapes(manifest) == 1
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "quick"

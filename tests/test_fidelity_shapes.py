@@ -157,3 +157,26 @@ def test_a_confirm_grid_gives_the_evaluation_shapes_within_the_engine_range(tmp_
     ids, mask = _grid_rows(backend, "random", 8, 64, 0)
     expected = np.random.default_rng([0, 8, 64]).integers(1000, 49152, size=(8, 64))  # as `trtserve eval` feeds
     assert np.array_equal(ids, expected) and mask.all()
+
+
+def test_a_grid_naming_a_model_by_path_confirms_under_the_id_the_build_gives_it(tmp_path):
+    from trtserve.cli import _confirm_grid
+    from trtserve.eval.grid import load_grid
+    from trtserve.models.sources import model_id
+    from trtserve.precision.measure import grid_shapes
+
+    checkpoint = tmp_path / "models" / "my-model"
+    checkpoint.mkdir(parents=True)
+    gguf = tmp_path / "tiny.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert (model_id(str(checkpoint)), model_id(str(gguf)), model_id("SmolLM2-135M-Instruct")) == (
+        "my-model", "tiny", "SmolLM2-135M-Instruct")
+    grid = tmp_path / "by-path.toml"
+    grid.write_text(f'models = ["{checkpoint}", "{gguf}"]\nbackends = ["onnxruntime"]\nprecisions = ["auto"]\n'
+                    'batch = [2]\nsequence = [16]\ninputs = ["real"]\n')
+    shapes, seed = _confirm_grid(str(grid))
+    assert grid_shapes(str(grid), shapes, seed, "my-model", 4, 64) == [("by-path", "real", 2, 16, 0)]
+    assert grid_shapes(str(grid), shapes, seed, "tiny", 4, 64) == [("by-path", "real", 2, 16, 0)]
+    # what an evaluation engine's rebuild command carries: a file path it can read again, or a preset's name
+    assert load_grid(path=grid).source == str(grid.absolute())
+    assert load_grid(preset="quick").source == "quick"

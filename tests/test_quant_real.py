@@ -106,3 +106,4 @@ def test_a_gate_that_misses_a_shape_the_calibration_lacks_widens_the_choice(tmp_
     assert "random_token_cosine=0.9994" in manifest["build_command"]  # the rebuild command holds the target
     info = run_cli("info", str(out))
     assert info.returncode == 0 and f"widened because the gate missed with the {first} chosen" in info.stdout
+    assert f"; {plan} with {first} weights kept safer missed the target" in info.stdout

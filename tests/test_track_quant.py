@@ -52,6 +52,17 @@ def tiny_pt():
     return checkpoint("tiny", "pt")
 
 
+def test_the_track_rebuild_command_carries_the_target_given_and_nothing_it_was_not_given():
+    from trtserve.engine_builder.sharding import _build_command
+    from trtserve.precision.measure import Target
+
+    target = Target.parse("top1=0.98,ppl_delta=0.02")
+    parts = _build_command("/c/pt", "/e", "int4", target, True).split()
+    assert parts[:7] == ["trtserve", "build-engine", "/c/pt", "--out", "/e", "--precision", "int4"]
+    assert Target.parse(parts[parts.index("--fidelity-target") + 1]) == target and parts[-1] == "--allow-low-fidelity"
+    assert _build_command("/c/pt", "/e", "fp32", None, False) == "trtserve build-engine /c/pt --out /e --precision fp32"
+
+
 @pytest.mark.models
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 def test_quantized_track_engines_pass_their_gate_and_shard_like_one_process(tiny_pt, precision, tmp_path):

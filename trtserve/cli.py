@@ -35,7 +35,8 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--confirm-grid", default=None, metavar="PRESET|FILE",
                         help="also hold the engine to its target on every shape of an evaluation grid (a preset "
                         "such as paper, or a grid TOML file) for this model, with the token ids `trtserve eval` "
-                        "feeds; auto searches again if a shape misses")
+                        "feeds; if a shape misses, auto searches again and int8/int4 keep more of their most sensitive "
+                        "weights safer")
     parser.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
                         help="engine backend; auto says which it picked and why (tensorrt where TensorRT and a "
                         "GPU are found). tensorrt adds a TensorRT plan beside the ONNX Runtime graph")
@@ -108,7 +109,9 @@ def _confirm_grid(grid: str) -> tuple[tuple, int]:
         loaded = load_grid(path=path) if grid.endswith(".toml") or path.is_file() else load_grid(preset=grid)
     except TrtServeError as exc:
         raise TrtServeError(f"--confirm-grid {grid}: {exc}") from None
-    return tuple(sorted({(c.model, c.input, c.batch, c.sequence) for c in loaded.configs()})), loaded.seed
+    from trtserve.models.sources import model_id
+
+    return tuple(sorted({(model_id(c.model), c.input, c.batch, c.sequence) for c in loaded.configs()})), loaded.seed
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -132,6 +132,8 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
         with step("auto precision: overflow probe and search under fp16 emulation"):
             policy, search_record = search(onnx.load(str(fp32_graph)), harness)
     manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
+    if grid:  # the gate's cases from it are labelled "<label> <input> b<batch> seq<length>"
+        manifest["confirm_grid"] = {"grid": cfg.confirm_grid, "label": grid[0][0], "shapes": len(grid)}
     report = _precision_and_ort(tmp, manifest, policy, search_record, source, fp32_graph, target, harness, why)
     manifest["backend"]["weights"] = map_weights(tmp / OPTIMIZED)
     manifest["backend"]["resident_mb"] = resident_mb(tmp / OPTIMIZED)  # of the chosen graph only
@@ -187,13 +189,18 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
         blocks = _weight_blocks(policy, source, fp32_graph, harness, target)  # once, for every plan
     measured = policy.weights not in ("float", "gguf")  # each weight's format chosen here: it can be widened
     for plan in plans:
+        measured_digest = None
         keep = (plan.fp32_weights if policy.weights == "gguf" else plan.int8) if plan else frozenset()
         counts = _widening(blocks, policy.weights) if measured else [None]
         for number, kept in enumerate(counts):
             chosen = widened(blocks, kept) if measured and kept > blocks.kept else blocks
             if (keep, kept) != written:
                 graph_report = _apply_precision(fp32_graph, policy, onnx_path, source, keep, chosen)
-                written = (keep, kept)
+                written, digest = (keep, kept), sha256_file(onnx_path)
+                if number and digest == measured_digest:  # the plan keeps those GEMMs fp32 anyway: same graph
+                    say(f"keeping the {kept} most sensitive weights safer changes no weight under this plan")
+                    continue
+                measured_digest = digest
             label = f", int8 activations in {plan.label}" if plan else ""
             label += f", the {kept} most sensitive weights kept safer" if kept is not None and kept > blocks.kept else ""
             with step(f"optimizing the graph with ONNX Runtime{label}"):

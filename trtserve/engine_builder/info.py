@@ -26,7 +26,8 @@ def describe_manifest(engine: EngineDir) -> str:
         f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})"
         + (f"; {backend['resident_mb']} MB resident once loaded and run" if backend.get("resident_mb") else ""),
         *([f"            int8 activations in {backend['int8_activations']}"
-           + "".join(f"; {t['plan']} missed the target" for t in backend.get("int8_activations_missed", []))]
+           + "".join(f"; {t['plan']}" + (f" with {t['kept_safer']} weights kept safer" if "kept_safer" in t else "")
+                     + " missed the target" for t in backend.get("int8_activations_missed", []))]
           if "int8_activations" in backend else []),
         *_kv_graph(backend.get("kv_graph")),
         *_tensorrt(m.get("tensorrt")),

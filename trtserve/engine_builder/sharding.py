@@ -123,6 +123,15 @@ QUANTIZED = ("int8", "int4")
 PLANS = ((frozenset({"*"}), "every quantized GEMM"), (frozenset(), "none"))
 
 
+def _build_command(checkpoint, out, precision: str, target, allow_low_fidelity: bool) -> str:
+    parts = ["trtserve", "build-engine", str(checkpoint), "--out", str(out), "--precision", precision]
+    if target is not None:
+        parts += ["--fidelity-target", target.text()]
+    if allow_low_fidelity:
+        parts.append("--allow-low-fidelity")
+    return " ".join(parts)
+
+
 def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", target=None,
                         allow_low_fidelity: bool = False) -> engine_dir.EngineDir:
     """Export, apply the precision policy to, and optimize every graph of a PT checkpoint.
@@ -140,7 +149,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
     model = load_checkpoint(checkpoint)
     cfg = model.cfg
     started = time.time()
-    choice = None
+    choice, given = None, target  # the target as given: the rebuild command carries it
     if precision in QUANTIZED:
         from trtserve.fileio import cache_root
         from trtserve.precision.measure import Target
@@ -173,7 +182,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
                 "segment_graphs": [[segment_file(i, j, False) for j in range(cfg.segments)]
                                    for i in range(cfg.n_tracks)],
             },
-            "build_command": f"trtserve build-engine {checkpoint} --out {out} --precision {precision}",
+            "build_command": _build_command(checkpoint, out, precision, given, allow_low_fidelity),
         }
         if choice is None:
             _write_graphs(exports, tmp, graphs, lambda graph, _: _policy(graph, precision))

@@ -49,6 +49,7 @@ class Grid:
     min_runs: int = 5
     min_seconds: float = 0.5
     token_limits: tuple = ()  # (model, largest batch x sequence) pairs: shapes above are left out
+    source: str = ""  # the preset's name or the grid file's path (what `--confirm-grid` takes)
 
     def configs(self) -> list[Config]:
         """Every meaningful combination, baselines first within each shape: torch runs fp32 only,
@@ -103,5 +104,5 @@ def load_grid(path: Path | None = None, preset: str | None = None) -> Grid:
     limits = data.pop("token_limits", {})
     if not isinstance(limits, dict) or any(not isinstance(v, int) or v < 1 for v in limits.values()):
         raise TrtServeError(f"{path}: token_limits maps a model to the largest batch x sequence to run")
-    return Grid(name=Path(path).stem, token_limits=tuple(sorted(limits.items())),
+    return Grid(name=Path(path).stem, source=preset or str(Path(path).absolute()), token_limits=tuple(sorted(limits.items())),
                 **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

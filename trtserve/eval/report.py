@@ -122,12 +122,13 @@ def _target_lines(rows: list[dict]) -> list[str]:
 
 
 def _positions(rows: list[dict]) -> str:
-    """Which positions the rows were judged on: every one, or (rows from before that) at most 64 per row."""
+    """Which positions the rows were judged on: every one, or (rows from before that) a sample per row."""
     sampled = sum(r.get("fidelity_positions") != "every" for r in rows)
     if not sampled:
         return "Every position of every row is judged."
     return (f"{len(rows) - sampled} rows are judged on every position; {sampled} rows, measured by an earlier "
-            "runner, on at most 64 evenly spaced positions per row (a row of 512 tokens on every 8th).")
+            "runner, on a sample of positions (64 evenly spaced ones at the presets' lengths: a row of 512 "
+            "tokens on every 8th).")
 
 
 def _engine_lines(built: dict) -> list[str]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 
-from trtserve.eval.grid import Config, Grid
+from trtserve.eval.grid import INPUTS, Config, Grid
 from trtserve.progress import say
 
 RESULTS = "results.jsonl"
@@ -206,6 +207,7 @@ class _Session:
         from trtserve.engine_dir import open_engine_dir
         from trtserve.errors import EngineDirError, TrtServeError
         from trtserve.fileio import build_code_digest, cache_root
+        from trtserve.models.sources import model_id
 
         key = (model, precision)
         if key in self.unbuildable:
@@ -215,7 +217,7 @@ class _Session:
             max_seq, max_batch = max(max(self.grid.sequence), 128), max(self.grid.batch)
             # held to its target on every shape of this grid (the build's gate measures them with the ids the
             # rows feed: auto searches again, int8/int4 keep more weights safer, or the gate names the shape)
-            shapes = tuple(sorted({(c.model, c.input, c.batch, c.sequence) for c in self.grid.configs()
+            shapes = tuple(sorted({(model_id(c.model), c.input, c.batch, c.sequence) for c in self.grid.configs()
                                    if c.model == model}))
             confirm = hashlib.sha256(json.dumps([shapes, self.grid.seed]).encode()).hexdigest()[:8]
             # keyed by the builder's code too: an engine an older trtserve built lacks what this one measures
@@ -228,7 +230,8 @@ class _Session:
                 try:
                     self.engines[key] = build_engine(BuildConfig(model=model, out=path, precision=precision,
                                                                  max_batch=max_batch, max_seq=max_seq,
-                                                                 allow_low_fidelity=True, confirm_grid=self.grid.name,
+                                                                 allow_low_fidelity=True,
+                                                                 confirm_grid=self.grid.source or self.grid.name,
                                                                  confirm_shapes=shapes,
                                                                  confirm_seed=self.grid.seed))
                 except TrtServeError as exc:  # a policy this model cannot have (gguf of a non-GGUF checkpoint)
@@ -361,11 +364,15 @@ def engine_fidelity(engine) -> dict:
 
 def _grid_shapes(manifest: dict) -> int:
     """How many of the gate's shapes came from `--confirm-grid` (the evaluation holds its engines to its grid)."""
-    parts = manifest.get("build_command", "").split()
-    if "--confirm-grid" not in parts:
-        return 0
-    name = Path(parts[parts.index("--confirm-grid") + 1]).stem
-    return sum(label.startswith(f"{name} ") for label in manifest["fidelity"]["onnxruntime"]["cases"])
+    if "confirm_grid" in manifest:
+        name = manifest["confirm_grid"]["label"]
+    else:  # built before the manifest recorded it
+        parts = manifest.get("build_command", "").split()
+        if "--confirm-grid" not in parts:
+            return 0
+        name = Path(parts[parts.index("--confirm-grid") + 1]).stem
+    grid_case = re.compile(rf"{re.escape(name)} ({'|'.join(INPUTS)}) b\d+ seq\d+")  # measure._label after the name
+    return sum(bool(grid_case.fullmatch(label)) for label in manifest["fidelity"]["onnxruntime"]["cases"])
 
 
 def _reset_peak_rss() -> None:

@@ -82,6 +82,16 @@ def _smollm2_dir(bundled: Bundled) -> Path:
     return convert_cached(_gguf_file(bundled), cache_root() / "models", bundled.name)
 
 
+def model_id(model: str) -> str:
+    """The id `resolve(model)` gives MODEL, without reading or converting the checkpoint."""
+    path = Path(model).expanduser()
+    if model in BUNDLED and not path.exists():
+        return model
+    if path.is_file() and path.suffix == ".gguf":
+        return path.name.split(".")[0]
+    return path.absolute().name
+
+
 def resolve(model: str) -> ModelSource:
     """Turn MODEL into a validated checkpoint; raise ModelSourceError with the fix otherwise."""
     path, gguf = Path(model).expanduser(), None
@@ -89,14 +99,13 @@ def resolve(model: str) -> ModelSource:
         bundled = BUNDLED[model]
         path = globals()[bundled.locate](bundled)
         gguf = _gguf_file(bundled) if bundled.gguf else None
-        model_id = model
     elif path.is_dir():
-        model_id = path.absolute().name
+        pass
     elif path.is_file() and path.suffix == ".gguf":
         from trtserve.models.gguf_convert import convert_cached
 
-        gguf, model_id = path.absolute(), path.name.split(".")[0]
-        path = convert_cached(gguf, cache_root() / "models", model_id)
+        gguf = path.absolute()
+        path = convert_cached(gguf, cache_root() / "models", model_id(model))
     elif path.exists():
         raise ModelSourceError(f"{model} is a file: give the checkpoint directory that holds config.json, "
                                "or a .gguf file")
@@ -107,7 +116,7 @@ def resolve(model: str) -> ModelSource:
     info = detect(config)
     _check_weights(path)
     _check_tokenizer(path)
-    return ModelSource(model_id=model_id, path=path.absolute(), info=info, config=config, gguf=gguf)
+    return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf)
 
 
 def _check_tokenizer(path: Path) -> None:
