@@ -1,0 +1,121 @@
+"""Where a batch-1 decode step of an engine's decode graph spends its time: kernel time per op type from
+ONNX Runtime's profiler (a separate run: the profiler itself slows small nodes), then, for a graph with
+block minima (int4 from fp32 checkpoints, gguf's Q4_1), the step timed against a copy with the minimum's
+exact share removed (block sums, the small GEMM and its Add; that copy's output is wrong: timing only).
+The two graphs take turns; medians of `--steps` steps per round over `--rounds` rounds, random ids.
+
+    .venv/bin/python benchmarks/probe_decode_ops.py --engine engines/smollm2-int4 [--past 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MINIMUM_SUFFIXES = (".shift", ".blocks", ".blocksum")  # precision.blocked names the minimum's nodes so
+
+
+def session(path: Path, threads: int, profile_prefix: str | None = None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.log_severity_level = threads, 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # stored optimized already
+    if profile_prefix:
+        options.enable_profiling, options.profile_file_prefix = True, profile_prefix
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def op_times(engine, graph: Path, past: int, steps: int, threads: int) -> tuple[dict, dict]:
+    """Kernel milliseconds per step and node count, per op type."""
+    from bench_kv_steps import slot_steps
+
+    from trtserve.runtime.kv_slots import KVSlots
+
+    with tempfile.TemporaryDirectory() as tmp:
+        s = session(graph, threads, os.path.join(tmp, "profile"))
+        slot_steps(KVSlots(engine, 1, threads, session=s), past, steps, np.random.default_rng(0))
+        events = json.load(open(s.end_profiling()))
+    runs = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    per_run = len(runs) // (steps + 1)
+    ms, count = collections.Counter(), collections.Counter()
+    for e in runs[per_run:]:  # the prefill's run first
+        ms[e["args"]["op_name"]] += e["dur"] / 1000 / steps
+        count[e["args"]["op_name"]] += 1
+    return dict(ms), {k: v // steps for k, v in count.items()}
+
+
+def without_minimum(graph: Path, out: Path) -> int:
+    """A copy of `graph` whose GEMMs skip their block minimum's share; returns how many Adds were bypassed."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    bypassed = 0
+    for node in model.graph.node:
+        if node.name.endswith(".add_shift"):
+            node.op_type, node.input[:] = "Identity", [node.input[0]]
+            bypassed += 1
+    kept = [n for n in model.graph.node if not n.name.endswith(MINIMUM_SUFFIXES)]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    shutil.copyfile(f"{graph}.data", out.parent / f"{graph.name}.data")  # the same external weights file name
+    onnx.save(model, str(out))
+    return bypassed
+
+
+def main() -> None:
+    from bench_kv_steps import slot_steps
+
+    from trtserve.engine_dir import open_engine_dir
+    from trtserve.runtime.kv_slots import KV_GRAPH, KVSlots
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--past", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    engine = open_engine_dir(args.engine)
+    graph = engine.file(KV_GRAPH)
+    if not graph.is_file():
+        sys.exit(f"{args.engine} has no decode graph: rebuild it with this trtserve")
+    ms, count = op_times(engine, graph, args.past, args.steps, args.threads)
+    total = sum(ms.values())
+    print(f"kernel time per batch-1 step at past {args.past} (profiler on): {total:.2f} ms, "
+          f"{sum(count.values())} nodes")
+    print("| op | ms per step | share | nodes |\n|---|---|---|---|")
+    for op, value in sorted(ms.items(), key=lambda kv: -kv[1]):
+        print(f"| {op} | {value:.3f} | {value / total:.1%} | {count[op]} |")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / graph.name
+        if not without_minimum(graph, copy):
+            return print("no block minima in this graph: nothing to compare")
+        sessions = {"as built": session(graph, args.threads), "without the minimum (wrong output)": session(copy, args.threads)}
+        steps = {name: [] for name in sessions}
+        for r in range(args.rounds):
+            for name, s in sessions.items():
+                times = slot_steps(KVSlots(engine, 1, args.threads, session=s), args.past, args.steps,
+                                   np.random.default_rng(r))
+                steps[name].append(statistics.median(times))
+    built = statistics.median(steps["as built"])
+    print(f"\nstep time at past {args.past}, medians of {args.rounds} rounds of {args.steps} steps (profiler off):")
+    for name, values in steps.items():
+        value = statistics.median(values)
+        print(f"- {name}: {value * 1000:.2f} ms ({value / built:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
