@@ -109,9 +109,7 @@ def _confirm_grid(grid: str) -> tuple[tuple, int]:
         loaded = load_grid(path=path) if grid.endswith(".toml") or path.is_file() else load_grid(preset=grid)
     except TrtServeError as exc:
         raise TrtServeError(f"--confirm-grid {grid}: {exc}") from None
-    from trtserve.models.sources import model_id
-
-    return tuple(sorted({(model_id(c.model), c.input, c.batch, c.sequence) for c in loaded.configs()})), loaded.seed
+    return loaded.shapes(), loaded.seed
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

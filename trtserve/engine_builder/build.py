@@ -209,7 +209,7 @@ def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source,
             if plan:
                 backend_entry.update(int8_activations=plan.label, int8_activations_missed=list(tried))
             manifest.update({
-                "onnx": {"file": ONNX_FILE, "sha256": sha256_file(onnx_path), "opset": _opset(onnx_path),
+                "onnx": {"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
                          "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
                 "precision": dict(policy.describe(), graph=graph_report, search=search_record),
                 "backend": backend_entry,

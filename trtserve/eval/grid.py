@@ -51,6 +51,14 @@ class Grid:
     token_limits: tuple = ()  # (model, largest batch x sequence) pairs: shapes above are left out
     source: str = ""  # the preset's name or the grid file's path (what `--confirm-grid` takes)
 
+    def shapes(self, model: str | None = None) -> tuple:
+        """The (model id, input, batch, length) shapes its configurations run (of `model` only, if given): what
+        `build-engine --confirm-grid` holds an engine to; ids as the build resolves them."""
+        from trtserve.models.sources import model_id
+
+        return tuple(sorted({(model_id(c.model), c.input, c.batch, c.sequence) for c in self.configs()
+                             if model is None or c.model == model}))
+
     def configs(self) -> list[Config]:
         """Every meaningful combination, baselines first within each shape: torch runs fp32 only,
         fp16 emulation only the fp16 policies (quantized weights are computed the same on the CPU)."""

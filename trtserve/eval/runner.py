@@ -207,7 +207,6 @@ class _Session:
         from trtserve.engine_dir import open_engine_dir
         from trtserve.errors import EngineDirError, TrtServeError
         from trtserve.fileio import build_code_digest, cache_root
-        from trtserve.models.sources import model_id
 
         key = (model, precision)
         if key in self.unbuildable:
@@ -217,8 +216,7 @@ class _Session:
             max_seq, max_batch = max(max(self.grid.sequence), 128), max(self.grid.batch)
             # held to its target on every shape of this grid (the build's gate measures them with the ids the
             # rows feed: auto searches again, int8/int4 keep more weights safer, or the gate names the shape)
-            shapes = tuple(sorted({(model_id(c.model), c.input, c.batch, c.sequence) for c in self.grid.configs()
-                                   if c.model == model}))
+            shapes = self.grid.shapes(model)
             confirm = hashlib.sha256(json.dumps([shapes, self.grid.seed]).encode()).hexdigest()[:8]
             # keyed by the builder's code too: an engine an older trtserve built lacks what this one measures
             path = cache_root() / "eval" / (f"{model}-{precision}-b{max_batch}-s{max_seq}-g{confirm}-"

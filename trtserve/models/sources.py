@@ -99,13 +99,13 @@ def resolve(model: str) -> ModelSource:
         bundled = BUNDLED[model]
         path = globals()[bundled.locate](bundled)
         gguf = _gguf_file(bundled) if bundled.gguf else None
-    elif path.is_dir():
-        pass
     elif path.is_file() and path.suffix == ".gguf":
         from trtserve.models.gguf_convert import convert_cached
 
         gguf = path.absolute()
         path = convert_cached(gguf, cache_root() / "models", model_id(model))
+    elif path.is_dir():
+        pass  # a checkpoint directory, validated below
     elif path.exists():
         raise ModelSourceError(f"{model} is a file: give the checkpoint directory that holds config.json, "
                                "or a .gguf file")
