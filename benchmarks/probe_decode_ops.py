@@ -61,6 +61,8 @@ def without_minimum(graph: Path, out: Path) -> int:
     """A copy of `graph` whose GEMMs skip their block minimum's share; returns how many Adds were bypassed."""
     import onnx
 
+    from trtserve.engine_builder.onnxruntime import weight_files
+
     model = onnx.load(str(graph), load_external_data=False)
     bypassed = 0
     for node in model.graph.node:
@@ -70,7 +72,8 @@ def without_minimum(graph: Path, out: Path) -> int:
     kept = [n for n in model.graph.node if not n.name.endswith(MINIMUM_SUFFIXES)]
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    shutil.copyfile(f"{graph}.data", out.parent / f"{graph.name}.data")  # the same external weights file name
+    for name in weight_files(graph):  # the same external weight files, by name
+        shutil.copyfile(graph.parent / name, out.parent / name)
     onnx.save(model, str(out))
     return bypassed
 

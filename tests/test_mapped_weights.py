@@ -10,15 +10,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtserve.engine_builder.onnxruntime import map_weights, resident_mb
+from trtserve.engine_builder.onnxruntime import map_weights, resident_mb, share_weights, weight_files
 
 VOCAB, WIDTH = 16384, 512  # a 32 MiB fp32 table
 
 
-def _graph(path):
-    rng = np.random.default_rng(0)
-    table = rng.standard_normal((VOCAB, WIDTH), dtype=np.float32)
-    weight = rng.standard_normal((WIDTH, 64), dtype=np.float32)
+def _graph(path, seed: int = 0):
+    """`seed` draws the small weight; the table is the same for every seed."""
+    table = np.random.default_rng(0).standard_normal((VOCAB, WIDTH), dtype=np.float32)
+    weight = np.random.default_rng(seed).standard_normal((WIDTH, 64), dtype=np.float32)
     nodes = [helper.make_node("Gather", ["table", "input_ids"], ["hidden"]),
              helper.make_node("MatMul", ["hidden", "weight"], ["out"])]
     graph = helper.make_graph(nodes, "table", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
@@ -63,3 +63,21 @@ def test_a_mapped_table_is_resident_only_where_it_was_read(graphs):
     # (both figures include what loading ONNX Runtime's kernels costs, about 10 MB)
     assert held["inline"] > 0.9 * table_bytes / 1e6, held
     assert held["inline"] - held["mapped"] > 0.8 * table_bytes / 1e6, held
+
+
+@pytest.mark.parametrize("seed", [0, 1], ids=["every-weight-shared", "one-weight-its-own"])
+def test_a_second_graph_reads_the_bytes_the_first_one_already_holds(tmp_path, seed):
+    main, other, inline = tmp_path / "model.ort.onnx", tmp_path / "model.kv.onnx", tmp_path / "inline.onnx"
+    table_bytes = _graph(main)
+    _graph(other, seed)
+    _graph(inline, seed)
+    map_weights(main), map_weights(other)
+    files = share_weights(main, other)
+    own = tmp_path / "model.kv.onnx.data"
+    if seed == 0:  # the same weights: nothing of its own is left
+        assert files == ["model.ort.onnx.data"] and not own.exists()
+    else:  # the table is shared, the MatMul weight (128 KiB) is kept in its own file
+        assert files == ["model.kv.onnx.data", "model.ort.onnx.data"] and own.stat().st_size < table_bytes / 100
+    assert weight_files(other) == files
+    ids = np.array([[1, 77, 16383, 5]], np.int64)
+    np.testing.assert_array_equal(_run(other, ids), _run(inline, ids))

@@ -97,7 +97,7 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str,
                 grid=None) -> dict:
-    from trtserve.engine_builder.onnxruntime import OPTIMIZED, map_weights, resident_mb
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, map_weights, resident_mb, share_weights
     from trtserve.precision.run import Harness
 
     onnx_path = tmp / ONNX_FILE
@@ -143,7 +143,8 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
         with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
             kv = manifest["backend"]["kv_graph"] = build_kv(tmp, manifest)
         if kv["file"]:
-            kv["weights"] = map_weights(tmp / kv["file"])
+            map_weights(tmp / kv["file"])
+            kv["weights"] = share_weights(tmp / OPTIMIZED, tmp / kv["file"])  # one copy of what both hold
         else:
             say(f"no decode graph: {kv['why_not']}; decoding copies the cache per step")
     if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback

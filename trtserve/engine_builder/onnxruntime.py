@@ -63,6 +63,74 @@ def map_weights(graph: Path) -> str:
     return data.name
 
 
+ALIGN = 4096  # offsets of tensors rewritten by share_weights: page-aligned, as mapping wants them
+
+
+def _external(tensor) -> dict:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _stored(graph: Path, model) -> dict[str, tuple[str, int, int]]:
+    """{sha256 of the bytes: (file, offset, length)} of every externally stored initializer of `model`."""
+    import hashlib
+
+    found = {}
+    for tensor in model.graph.initializer:
+        entry = _external(tensor)
+        if "location" not in entry:
+            continue
+        where = (entry["location"], int(entry.get("offset", 0)), int(entry["length"]))
+        with open(graph.parent / where[0], "rb") as f:
+            f.seek(where[1])
+            found.setdefault(hashlib.sha256(f.read(where[2])).hexdigest(), where)
+    return found
+
+
+def weight_files(graph: Path) -> list[str]:
+    """The files beside `graph` that hold its mapped initializers."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    return sorted({_external(t)["location"] for t in model.graph.initializer if "location" in _external(t)})
+
+
+def share_weights(main: Path, other: Path) -> list[str]:
+    """Point each mapped initializer of the graph `other` whose bytes `main`'s weight file already holds at
+    those bytes, and keep in `other`'s own weight file only the rest (removed when nothing is left); return
+    the weight files `other` reads. Two graphs of one engine (the optimized graph and the decode graph) then
+    share one copy on disk, and in the page cache when both are loaded."""
+    import hashlib
+
+    import onnx
+
+    model = onnx.load(str(other), load_external_data=False)
+    have = _stored(main, onnx.load(str(main), load_external_data=False))
+    own = other.with_name(other.name + MAPPED_SUFFIX)
+    kept, files = bytearray(), set()
+    with open(own, "rb") as source:
+        for tensor in model.graph.initializer:
+            entry = _external(tensor)
+            if "location" not in entry:
+                continue
+            source.seek(int(entry.get("offset", 0)))
+            data = source.read(int(entry["length"]))
+            where = have.get(hashlib.sha256(data).hexdigest())
+            if where is None:
+                kept.extend(b"\0" * (-len(kept) % ALIGN))
+                where = (own.name, len(kept), len(data))
+                kept.extend(data)
+            del tensor.external_data[:]
+            for key, value in zip(("location", "offset", "length"), where):
+                tensor.external_data.add(key=key, value=str(value))
+            files.add(where[0])
+    if kept:
+        own.write_bytes(bytes(kept))
+    else:
+        own.unlink()
+    onnx.save(model, str(other))
+    return sorted(files)
+
+
 _RESIDENT = """
 import os, sys, numpy as np, onnxruntime as ort
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
