@@ -58,6 +58,10 @@ def test_manifest_records_what_built_it(engines):
     assert m["io"]["outputs"][1]["shape"] == ["batch", 3, "past_sequence + sequence", 64]
     assert {"model.onnx", "model.ort.onnx", "tokenizer.json", "config.json"} <= set(m["files"])
     assert m["versions"]["onnxruntime"] and m["backend"]["name"] == "onnxruntime"
+    # the decode graph reads the weights it shares with the optimized graph from that graph's file
+    assert "model.ort.onnx.data" in m["backend"]["kv_graph"]["weights"]
+    own = m["files"].get("model.kv.onnx.data", {"size": 0})["size"]
+    assert own < 0.15 * m["files"]["model.ort.onnx.data"]["size"], own  # its own: the packed q/k/v GEMMs
     open_engine_dir(engines["smollm2"])  # every hash verifies
 
 
