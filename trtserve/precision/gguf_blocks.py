@@ -23,7 +23,8 @@ FORMATS = ("Q8_0", "Q4_1")
 
 @dataclass(frozen=True)
 class Blocks:
-    """One quantized GGUF tensor as arrays: `q` [rows, cols] integers, `scale` and `minimum` [rows, cols/32]."""
+    """One quantized tensor as arrays: `q` [rows, cols] integers, `scale` and `minimum` [rows, cols/block]
+    (GGUF's blocks are 32 values)."""
 
     name: str
     format: str
@@ -31,8 +32,13 @@ class Blocks:
     scale: np.ndarray  # float32
     minimum: np.ndarray | None  # float32, Q4_1 only
 
+    @property
+    def block(self) -> int:
+        """Values per block along the input dimension: 32 for GGUF's blocks, more where a policy chose so."""
+        return self.q.shape[1] // self.scale.shape[1]
+
     def dequantized(self) -> np.ndarray:
-        w = self.q.astype(np.float32).reshape(*self.scale.shape, BLOCK) * self.scale[..., None]
+        w = self.q.astype(np.float32).reshape(*self.scale.shape, self.block) * self.scale[..., None]
         if self.minimum is not None:
             w = w + self.minimum[..., None]
         return w.reshape(self.q.shape)

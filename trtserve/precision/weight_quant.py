@@ -19,12 +19,12 @@ from trtserve.precision.gguf_blocks import BLOCK, Blocks
 FORMATS = ("int8", "int4")
 
 
-def quantize_rows(rows: np.ndarray, fmt: str, name: str = "") -> Blocks:
-    """Quantize [N, K] rows (K along the blocks; K a multiple of 32) to `fmt`."""
+def quantize_rows(rows: np.ndarray, fmt: str, name: str = "", block: int = BLOCK) -> Blocks:
+    """Quantize [N, K] rows (K along the blocks; K a multiple of `block`) to `fmt`."""
     n, k = rows.shape
-    if k % BLOCK:
-        raise ValueError(f"{name or 'weight'}: input dimension {k} is not a multiple of the block size {BLOCK}")
-    blocked = rows.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
+    if k % block:
+        raise ValueError(f"{name or 'weight'}: input dimension {k} is not a multiple of the block size {block}")
+    blocked = rows.astype(np.float32).reshape(n, k // block, block)
     if fmt == "int8":
         from onnx import TensorProto
         from onnxruntime.quantization.quant_utils import quantize_nparray
