@@ -81,3 +81,16 @@ def test_a_second_graph_reads_the_bytes_the_first_one_already_holds(tmp_path, se
     assert weight_files(other) == files
     ids = np.array([[1, 77, 16383, 5]], np.int64)
     np.testing.assert_array_equal(_run(other, ids), _run(inline, ids))
+
+
+def test_a_graph_without_large_weights_keeps_them_inline_and_shares_nothing(tmp_path):
+    graph = helper.make_graph([helper.make_node("Add", ["x", "bias"], ["y"])], "small",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                              [numpy_helper.from_array(np.ones(4, np.float32), "bias")])
+    for name in ("model.ort.onnx", "model.kv.onnx"):
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), str(tmp_path / name))
+        assert map_weights(tmp_path / name) is None
+    assert share_weights(tmp_path / "model.ort.onnx", tmp_path / "model.kv.onnx") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.kv.onnx", "model.ort.onnx"]
+    assert ort.InferenceSession(str(tmp_path / "model.kv.onnx")).run(None, {"x": np.zeros(4, np.float32)})[0].tolist() == [1] * 4

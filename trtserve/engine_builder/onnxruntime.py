@@ -44,9 +44,9 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
 MAPPED_SUFFIX = ".data"  # a served graph's weights: model.ort.onnx -> model.ort.onnx.data
 
 
-def map_weights(graph: Path) -> str:
+def map_weights(graph: Path) -> str | None:
     """Move every initializer of 1 KiB or more out of `graph` into `<graph>.data` beside it (ONNX external
-    data); return that file's name.
+    data); return that file's name (None when there is none).
 
     ONNX Runtime memory-maps external data on the CPU instead of copying it onto its heap: weights a kernel
     repacks at load (MatMul, MatMulNBits) are read once from the file and never held twice, and the rest
@@ -59,6 +59,8 @@ def map_weights(graph: Path) -> str:
     data.unlink(missing_ok=True)  # onnx appends to an existing file
     onnx.save(model, str(graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
               size_threshold=1024)
+    if not data.is_file():  # no initializer of 1 KiB or more: the graph holds them all
+        return None
     data.chmod(graph.stat().st_mode & 0o777)  # onnx creates it owner-only; readable as the graph is
     return data.name
 
@@ -103,9 +105,11 @@ def share_weights(main: Path, other: Path) -> list[str]:
 
     import onnx
 
+    own = other.with_name(other.name + MAPPED_SUFFIX)
+    if not own.is_file():  # every initializer is inline: nothing to share
+        return []
     model = onnx.load(str(other), load_external_data=False)
     have = _stored(main, onnx.load(str(main), load_external_data=False))
-    own = other.with_name(other.name + MAPPED_SUFFIX)
     kept, files = bytearray(), set()
     with open(own, "rb") as source:
         for tensor in model.graph.initializer:
