@@ -56,14 +56,13 @@ def step_bytes(graph: Path, past: int) -> tuple[int, int]:
     import onnx
     from onnx import helper
 
+    from trtserve.engine_builder.onnxruntime import initializer_bytes
+
     model = onnx.load(str(graph), load_external_data=False)
-    sizes = {}
-    for t in model.graph.initializer:
-        entry = {e.key: e.value for e in t.external_data}
-        sizes[t.name] = (int(entry["length"]) if "length" in entry else len(t.raw_data), list(t.dims))
+    sizes, rows_of = initializer_bytes(model), {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
     tables = {n.input[TABLE_READERS[n.op_type]] for n in model.graph.node if n.op_type in TABLE_READERS}
-    rows = sum(sizes[name][0] // sizes[name][1][0] for name in tables if name in sizes)  # one row each
-    weights = sum(size for name, (size, _) in sizes.items() if name not in tables) + rows
+    rows = sum(sizes[name] // rows_of[name] for name in tables if name in sizes)  # one row each
+    weights = sum(size for name, size in sizes.items() if name not in tables) + rows
     kv = 0
     for i in model.graph.input:
         if i.name.startswith("past_key_values."):

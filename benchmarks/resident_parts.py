@@ -78,13 +78,10 @@ def weights_by_reader(graph: Path) -> Counter:
     import onnx
     from onnx import helper
 
+    from trtserve.engine_builder.onnxruntime import initializer_bytes
+
     model = onnx.load(str(graph), load_external_data=False)
-    sizes = {}
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            sizes[tensor.name] = int({e.key: e.value for e in tensor.external_data}["length"])
-        else:
-            sizes[tensor.name] = len(tensor.raw_data)
+    sizes = initializer_bytes(model)
     parts: Counter = Counter()
     for node in model.graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}

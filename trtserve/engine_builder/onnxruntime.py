@@ -72,20 +72,29 @@ def _external(tensor) -> dict:
     return {e.key: e.value for e in tensor.external_data}
 
 
-def _stored(graph: Path, model) -> dict[str, tuple[str, int, int]]:
-    """{sha256 of the bytes: (file, offset, length)} of every externally stored initializer of `model`."""
-    import hashlib
+def initializer_bytes(model) -> dict[str, int]:
+    """Stored bytes of each initializer of `model` (loaded without its external data), by name."""
+    return {t.name: int(_external(t)["length"]) if "location" in _external(t) else len(t.raw_data)
+            for t in model.graph.initializer}
 
-    found = {}
-    for tensor in model.graph.initializer:
-        entry = _external(tensor)
-        if "location" not in entry:
-            continue
-        where = (entry["location"], int(entry.get("offset", 0)), int(entry["length"]))
-        with open(graph.parent / where[0], "rb") as f:
-            f.seek(where[1])
-            found.setdefault(hashlib.sha256(f.read(where[2])).hexdigest(), where)
-    return found
+
+def _mapped(graph: Path, model):
+    """(tensor, (file, offset, length), its bytes) for each mapped initializer of `model`, the graph at `graph`;
+    each weight file is opened once."""
+    handles = {}
+    try:
+        for tensor in model.graph.initializer:
+            entry = _external(tensor)
+            if "location" not in entry:
+                continue
+            where = (entry["location"], int(entry.get("offset", 0)), int(entry["length"]))
+            if where[0] not in handles:
+                handles[where[0]] = open(graph.parent / where[0], "rb")
+            handles[where[0]].seek(where[1])
+            yield tensor, where, handles[where[0]].read(where[2])
+    finally:
+        for handle in handles.values():
+            handle.close()
 
 
 def weight_files(graph: Path) -> list[str]:
@@ -105,32 +114,27 @@ def share_weights(main: Path, other: Path) -> list[str]:
 
     import onnx
 
-    own = other.with_name(other.name + MAPPED_SUFFIX)
-    if not own.is_file():  # every initializer is inline: nothing to share
-        return []
+    def digest(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    have = {digest(data): where for _, where, data in _mapped(main, onnx.load(str(main), load_external_data=False))}
     model = onnx.load(str(other), load_external_data=False)
-    have = _stored(main, onnx.load(str(main), load_external_data=False))
+    own = other.with_name(other.name + MAPPED_SUFFIX)
     kept, files = bytearray(), set()
-    with open(own, "rb") as source:
-        for tensor in model.graph.initializer:
-            entry = _external(tensor)
-            if "location" not in entry:
-                continue
-            source.seek(int(entry.get("offset", 0)))
-            data = source.read(int(entry["length"]))
-            where = have.get(hashlib.sha256(data).hexdigest())
-            if where is None:
-                kept.extend(b"\0" * (-len(kept) % ALIGN))
-                where = (own.name, len(kept), len(data))
-                kept.extend(data)
-            del tensor.external_data[:]
-            for key, value in zip(("location", "offset", "length"), where):
-                tensor.external_data.add(key=key, value=str(value))
-            files.add(where[0])
+    for tensor, _, data in _mapped(other, model):
+        where = have.get(digest(data))
+        if where is None:
+            kept.extend(b"\0" * (-len(kept) % ALIGN))
+            where = (own.name, len(kept), len(data))
+            kept.extend(data)
+        del tensor.external_data[:]
+        for key, value in zip(("location", "offset", "length"), where):
+            tensor.external_data.add(key=key, value=str(value))
+        files.add(where[0])
     if kept:
         own.write_bytes(bytes(kept))
     else:
-        own.unlink()
+        own.unlink(missing_ok=True)
     onnx.save(model, str(other))
     return sorted(files)
 
