@@ -6,8 +6,8 @@ plus the KV cache, so it cannot take less than those bytes / the machine's read 
 costs. The read rate is ONNX Runtime's own fp32 GEMV ([1, 4096] x [4096, 32768], 512 MiB of weights, mapped
 like an engine's) with the same threads: the fastest way these kernels stream weights on this machine, so the
 ceiling is "as if every GEMM of the step were memory-bound like that one". Rounds interleave the GEMV and each
-engine's decode step at `--past` (random ids, medians). On a shared VM the read rate moves from day to day
-(10 to 15 GB/s on one core of the same machine): compare within one run.
+engine's decode step at `--past` (random ids, medians). On a shared VM the read rate moves from day to day:
+compare within one run.
 
     .venv/bin/python benchmarks/decode_ceiling.py --engine engines/smollm2 --engine engines/smollm2-int4 [--past 128]
 """
