@@ -179,7 +179,7 @@ def main() -> None:
     if args.llama_cpp:
         from trtserve.models.sources import resolve
 
-        gguf = resolve(first.text.backend.engine.manifest["model"]["source"]).gguf
+        gguf = resolve(first.text.backend.engine.manifest.model.source).gguf
         engines[f"llama.cpp {gguf.name}"] = LlamaCpp(gguf, args.threads)
     for item in args.ort_genai:
         name, _, path = item.partition("=")

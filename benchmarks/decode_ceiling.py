@@ -112,7 +112,7 @@ def main() -> None:
           "of the ceiling | bytes/s read |\n|---|---:|---:|---:|---:|---:|---:|")
     for path, (engine, _, (weights, kv)) in engines.items():
         step = statistics.median(steps[path])
-        print(f"| {Path(path).name} ({engine.manifest['precision']['policy']}) | {weights / 1e6:.1f} MB | "
+        print(f"| {Path(path).name} ({engine.manifest.precision.policy}) | {weights / 1e6:.1f} MB | "
               f"{kv / 1e6:.1f} MB | {rate / (weights + kv):.0f} | {1 / step:.1f} | {(weights + kv) / rate / step:.0%} | "
               f"{(weights + kv) / step / 1e9:.1f} GB/s |")
 

@@ -50,7 +50,7 @@ def main() -> None:
     if args.llama_cpp:
         from trtserve.models.sources import resolve
 
-        gguf = resolve(reference.backend.engine.manifest["model"]["source"]).gguf
+        gguf = resolve(reference.backend.engine.manifest.model.source).gguf
         peers[f"llama.cpp {gguf.name}"] = LlamaCpp(gguf, 2, n_ctx=2048, logits_all=True).logits
     for item in args.ort_genai:
         name, _, path = item.partition("=")

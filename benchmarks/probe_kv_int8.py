@@ -101,7 +101,7 @@ def main() -> None:
     if not engine.file(KV_GRAPH).is_file():
         sys.exit(f"{args.engine} has no decode graph")
     ids = np.array(Tokenizer.from_file(str(engine.file("tokenizer.json"))).encode(wiki_text(6000)).ids, np.int64)
-    vocab = engine.manifest["model"]["architecture"]["vocab_size"]
+    vocab = engine.manifest.model.architecture.vocab_size
     rng = np.random.default_rng(0)
     reference = KVSlots(engine, 1, session=session(engine.file(KV_GRAPH), args.threads))
     largest: dict[str, np.ndarray] = {}

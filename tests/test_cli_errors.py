@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
+from tests.manifests import MODEL
 from tests.test_sources import copy_checkpoint
 
 
@@ -96,7 +97,8 @@ def test_info_on_a_missing_engine(tmp_path):
 def test_info_on_a_damaged_engine(tmp_path):
     engine = tmp_path / "e"
     engine.mkdir()
-    (engine / "manifest.json").write_text(json.dumps({"schema_version": 1, "files": {"model.onnx": {"size": 1, "sha256": "0"}},
+    (engine / "manifest.json").write_text(json.dumps({"schema_version": 1, "model": MODEL,
+                                                      "files": {"model.onnx": {"size": 1, "sha256": "0"}},
                                                       "build_command": "trtserve build-engine X --out e"}))
     result = run_cli("info", str(engine))
     assert_clean_failure(result, engine, "model.onnx is missing")

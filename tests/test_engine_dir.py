@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.manifests import MODEL
 from trtserve import engine_dir
 from trtserve.errors import EngineDirError
 from trtserve.fileio import atomic_dir
@@ -13,7 +14,7 @@ from trtserve.fileio import atomic_dir
 def make_engine(path, payload=b"graph bytes"):
     path.mkdir()
     (path / "model.onnx").write_bytes(payload)
-    manifest = {"build_command": f"trtserve build-engine M --out {path}",
+    manifest = {"model": MODEL, "build_command": f"trtserve build-engine M --out {path}",
                 "files": {"model.onnx": engine_dir.file_entry(path / "model.onnx")}}
     engine_dir.write_manifest(path, manifest)
     return path
@@ -21,7 +22,7 @@ def make_engine(path, payload=b"graph bytes"):
 
 def test_verified_engine_opens(tmp_path):
     engine = engine_dir.open_engine_dir(make_engine(tmp_path / "e"))
-    assert engine.manifest["schema_version"] == engine_dir.SCHEMA_VERSION
+    assert engine.manifest.schema_version == engine_dir.SCHEMA_VERSION
 
 
 @pytest.mark.parametrize(
@@ -91,3 +92,26 @@ def test_build_code_digest_follows_the_builder_sources_only(tmp_path):
     assert build_code_digest(copy) == before
     (copy / "precision" / "measure.py").write_text((copy / "precision" / "measure.py").read_text() + "\n# new\n")
     assert build_code_digest(copy) != before
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: m.update(shapes={"batch": {"min": 1, "opt": 1}}), r"shapes\.batch\.max: Field required"),
+    (lambda m: m.update(sharding={"tracks": 2}), "sharding: Extra inputs are not permitted"),
+    (lambda m: m["model"].update(kind=None), "model.kind: Input should be a valid string"),
+])
+def test_a_manifest_off_the_schema_is_refused_naming_the_field_and_the_rebuild(tmp_path, change, message):
+    path = make_engine(tmp_path / "e")
+    manifest = json.loads((path / "manifest.json").read_text())
+    change(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineDirError, match=message) as info:
+        engine_dir.open_engine_dir(path)
+    assert "does not follow the manifest schema" in str(info.value) and f"--out {path}" in str(info.value)
+
+
+def test_the_typed_manifest_writes_back_what_was_read(tmp_path):
+    path = make_engine(tmp_path / "e")
+    written = json.loads((path / "manifest.json").read_text())
+    engine = engine_dir.open_engine_dir(path)
+    assert engine.manifest.to_json() == written and engine.manifest.model.architecture.vocab_size == 16
+    assert engine.manifest.fidelity is None and engine.manifest.shapes is None  # sections a build had not reached

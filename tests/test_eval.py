@@ -47,7 +47,13 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_the_gate_shapes_an_engine_took_from_a_confirm_grid_are_counted_by_its_recorded_label():
-    from trtserve.eval.runner import _grid_shapes
+    from tests.manifests import FIDELITY, MODEL
+    from trtserve.engine_dir.manifest import Manifest
+    from trtserve.eval.runner import _grid_shapes as of_manifest
+
+    def _grid_shapes(manifest):
+        return of_manifest(Manifest.model_validate({**manifest, "model": MODEL,
+                                                    "fidelity": {**FIDELITY, **manifest["fidelity"]}}))
 
     cases = {"random b8 seq128": {}, "random b1 seq64": {}, "random real b1 seq32": {}, "random random b4 seq32": {}}
     # a grid file named random.toml: its cases start with "random " as the gate's own random-id cases do

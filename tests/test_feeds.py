@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from trtserve.engine_dir.manifest import Shapes
 from trtserve.errors import InputError
 from trtserve.runtime.base import TensorSpec, check_feeds
 from trtserve.runtime.generate import positions_from_mask
@@ -10,12 +11,12 @@ SPECS = (
     TensorSpec("attention_mask", "int64", ("batch", "total_sequence")),
     TensorSpec("past_key_values.0.key", "float32", ("batch", 3, "past_sequence", 64)),
 )
-RANGES = {
+RANGES = Shapes.model_validate({
     "batch": {"min": 1, "opt": 1, "max": 4},
     "sequence": {"min": 1, "opt": 8, "max": 16},
     "past_sequence": {"min": 0, "opt": 8, "max": 15},
     "total_sequence": {"min": 1, "opt": 8, "max": 16},
-}
+})
 
 
 def feeds(batch=2, seq=3, past=4, total=None, heads=3):

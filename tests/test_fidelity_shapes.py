@@ -53,7 +53,8 @@ def test_wide_shapes_are_random_ids_at_batch_1_and_8_and_real_text_at_batch_8():
 
 @pytest.mark.parametrize("left", [True, False])
 def test_wide_rows_pad_half_the_batch_by_different_amounts(left):
-    backend = SimpleNamespace(engine=SimpleNamespace(manifest={"model": {"architecture": {"vocab_size": 5000}}}))
+    backend = SimpleNamespace(engine=SimpleNamespace(manifest=SimpleNamespace(
+        model=SimpleNamespace(architecture=SimpleNamespace(vocab_size=5000)))))
     tokenizer = SimpleNamespace(pad_token_id=3)
     ids, mask = _wide_rows(backend, tokenizer, None, "random", 8, 64, left=left)
     assert ids.shape == mask.shape == (8, 64) and ids.dtype == np.int64
@@ -153,7 +154,8 @@ def test_a_confirm_grid_gives_the_evaluation_shapes_within_the_engine_range(tmp_
     assert grid_shapes(str(grid), shapes, seed, "m", 32, 128) == [("one", "random", 8, 64, 3)]
     with pytest.raises(TrtServeError, match="--confirm-grid nope: no preset 'nope'"):
         _confirm_grid("nope")
-    backend = SimpleNamespace(engine=SimpleNamespace(manifest={"model": {"architecture": {"vocab_size": 49152}}}))
+    backend = SimpleNamespace(engine=SimpleNamespace(manifest=SimpleNamespace(
+        model=SimpleNamespace(architecture=SimpleNamespace(vocab_size=49152)))))
     ids, mask = _grid_rows(backend, "random", 8, 64, 0)
     expected = np.random.default_rng([0, 8, 64]).integers(1000, 49152, size=(8, 64))  # as `trtserve eval` feeds
     assert np.array_equal(ids, expected) and mask.all()

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers to
 
 from trtserve.engine_builder.kv_graph import NotLowered, build_kv, lower  # noqa: E402
 from trtserve.engine_dir import EngineDir  # noqa: E402
+from trtserve.engine_dir.manifest import KvGraph  # noqa: E402
 from trtserve.runtime.batching import ContinuousBatcher  # noqa: E402
 from trtserve.runtime.kv_slots import KV_GRAPH  # noqa: E402
 from trtserve.runtime.ort import OrtBackend  # noqa: E402
@@ -48,9 +49,9 @@ def tiny(tmp_path_factory) -> EngineDir:
     engine_dir = root / "engine"
     engine_dir.mkdir()
     export_onnx(source, load_torch_model(source), engine_dir / "model.onnx")
-    manifest = {"model": {"id": "tiny", "kind": "decoder", "architecture": vars(source.info)},
+    manifest = {"model": {"id": "tiny", "kind": "decoder", "source": str(source.path), "architecture": vars(source.info)},
                 "io": _io_from_graph(engine_dir / "model.onnx"), "shapes": _shape_ranges(source, 4, CAPACITY),
-                "onnx": {"file": "model.onnx"}}
+                "onnx": {"file": "model.onnx", "sha256": "-", "opset": 0, "exporter": "-", "fp32_export_cache": "-"}}
     manifest["backend"] = build_ort(engine_dir / "model.onnx", engine_dir)
     manifest["backend"]["kv_graph"] = build_kv(engine_dir, manifest)
     (engine_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -58,9 +59,9 @@ def tiny(tmp_path_factory) -> EngineDir:
 
 
 def test_every_layer_becomes_one_attention_node_and_the_build_check_passes(tiny):
-    entry = tiny.manifest["backend"]["kv_graph"]
-    assert entry["file"] == KV_GRAPH, entry
-    assert entry["check"]["max_relative_difference"] < 1e-4
+    entry = tiny.manifest.kv_graph
+    assert entry.file == KV_GRAPH, entry
+    assert entry.check["max_relative_difference"] < 1e-4
     graph = onnx.load(str(tiny.file(KV_GRAPH))).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("GroupQueryAttention") == 2
@@ -197,8 +198,8 @@ def test_a_row_too_close_to_the_end_of_its_cache_is_fed_alone(tiny):
 
 
 def test_engines_without_a_decode_graph_keep_the_padded_batcher(tiny):
-    without = EngineDir(tiny.path, {**tiny.manifest, "backend": {**tiny.manifest["backend"], "kv_graph": {
-        "file": None, "why_not": "built before the decode graph"}}})
+    backend = tiny.manifest.backend.model_copy(update={"kv_graph": KvGraph(file=None, why_not="built before the decode graph")})
+    without = EngineDir(tiny.path, tiny.manifest.model_copy(update={"backend": backend}))
     batcher = make_batcher(OrtBackend(without, threads=1), {95}, 2)
     assert type(batcher) is ContinuousBatcher
 

@@ -208,8 +208,8 @@ def test_track_engines_sharded_equal_reference(trained, track_engine, world):
     from trtserve.engine_dir import open_engine_dir
 
     manifest = open_engine_dir(track_engine).manifest
-    assert manifest["parity"]["max_abs_error"] <= 1e-4
-    assert manifest["parallel_tracks"]["sync"]["per_forward"] == 2
+    assert manifest.parity.max_abs_error <= 1e-4
+    assert manifest.parallel_tracks.sync.per_forward == 2
     prompt = np.random.default_rng(3).integers(1, 4097, (2, 12))
     expected, tokens = reference_steps(trained["pt"], prompt, 32)
     steps = sharded_steps(track_engine, "pt", world, prompt, tokens)
@@ -299,7 +299,7 @@ def test_a_stuck_or_dead_rank_ends_the_stream_within_the_deadline_and_the_ranks_
     from tests.server_process import start_server, stop_server
     from trtserve.engine_dir import open_engine_dir
 
-    context = open_engine_dir(track_engine).manifest["model"]["architecture"]["max_positions"]
+    context = open_engine_dir(track_engine).manifest.model.architecture.max_positions
     proc, url = start_server(track_engine, "--tracks", "2", "--worker-timeout", "3")
     try:
         ranks = [w["pid"] for w in httpx_get(f"{url}/health")["workers"]]

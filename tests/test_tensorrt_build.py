@@ -76,7 +76,7 @@ def test_build_engine_backend_tensorrt_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "tensorrt: model.plan" in result.stderr
     engine = open_engine_dir(out)  # the plan is in the verified file list
-    assert "model.plan" in engine.manifest["files"] and "--backend tensorrt" in engine.manifest["build_command"]
+    assert "model.plan" in engine.manifest.files and "--backend tensorrt" in engine.manifest.build_command
     info = run_cli("info", str(out)).stdout
     assert "matrix_multiply 48 HALF" in info and "0 precision violations" in info
     backend, why = runtime_for(engine)

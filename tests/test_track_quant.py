@@ -75,13 +75,13 @@ def test_quantized_track_engines_pass_their_gate_and_shard_like_one_process(tiny
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"fidelity vs torch fp32 ({precision}): passed" in result.stdout, result.stdout
     manifest = open_engine_dir(out).manifest
-    formats = manifest["precision"]["formats"]
-    assert formats.get(precision, 0) > 0 and manifest["fidelity"]["passed"], formats
-    lengths = manifest["fidelity"]["lengths"]
-    assert max(lengths) == manifest["model"]["architecture"]["max_positions"], lengths
+    formats = manifest.precision.formats
+    assert formats.get(precision, 0) > 0 and manifest.fidelity.passed, formats
+    lengths = manifest.fidelity.lengths
+    assert max(lengths) == manifest.model.architecture.max_positions, lengths
     # the written formats are what ONNX Runtime runs: one MatMulNBits per quantized product (query, key and
     # value fused into one, gate and up into one), the table gathered from its blocks
-    for name, graph in manifest["precision"]["graph"].items():
+    for name, graph in manifest.precision.graph.items():
         ops = Counter(n.op_type for n in onnx.load(str(out / name.replace(".onnx", ".ort.onnx"))).graph.node)
         products = {tuple(e.get("computed_with", [n])) for n, e in graph["gemms"].items()}
         assert ops["MatMulNBits"] == len(products), (name, ops)

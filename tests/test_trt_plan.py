@@ -7,9 +7,12 @@ import json
 import pytest
 
 from tests.conftest import run_cli
-from trtserve.engine_builder.tensorrt import check_precision, kernel_summary, profiles_for
+from trtserve.engine_builder import tensorrt
+from trtserve.engine_builder.tensorrt import check_precision, kernel_summary
+from trtserve.engine_dir.manifest import IO, Shapes, TensorRT
 from trtserve.errors import EngineDirError, InputError
-from trtserve.runtime.trt_plan import buffer_bytes, buffer_plan, check_loadable, refuse_reason, select_profile
+from trtserve.runtime import trt_plan
+from trtserve.runtime.trt_plan import buffer_bytes, buffer_plan, select_profile
 
 DECODER = {
     "model": {"kind": "decoder"},
@@ -25,18 +28,31 @@ DECODER = {
                        {"name": "present.0.key", "dtype": "float32", "shape": ["batch", 3, "total_sequence", 64]}]},
 }
 ENTRY = {"flavour": "tensorrt", "version": "11.0.0", "compute_capability": "sm90", "version_compatible": False}
+
+
+def profiles_for(manifest: dict):
+    return tensorrt.profiles_for(manifest["model"]["kind"], Shapes.model_validate(manifest["shapes"]),
+                                 IO.model_validate(manifest["io"]))
+
+
+def refuse_reason(entry: dict, *args):
+    return trt_plan.refuse_reason(TensorRT(plan="model.plan", profiles=[], io={}, **entry), *args)
+
+
+def check_loadable(entry: dict, *args):
+    return trt_plan.check_loadable(TensorRT(plan="model.plan", profiles=[], io={}, **entry), *args)
 H200 = [{"index": 0, "name": "NVIDIA H200", "compute_capability": "9.0"}]
 
 
 def test_decoder_profiles_cover_prefill_decode_and_prompt_logprobs():
     prefill, decode, scored = profiles_for(DECODER)
-    assert (prefill["name"], decode["name"], scored["name"]) == ("prefill", "decode", "prompt_logprobs")
-    assert prefill["inputs"]["logit_positions"]["max"] == decode["inputs"]["logit_positions"]["max"] == [1]
-    assert scored["inputs"]["logit_positions"]["max"] == [2048] and scored["inputs"]["input_ids"]["max"] == [4, 2048]
-    assert prefill["inputs"]["input_ids"] == {"min": [1, 1], "opt": [1, 128], "max": [8, 2048]}
-    assert prefill["inputs"]["past_key_values.0.key"]["opt"] == [1, 3, 0, 64]  # fixed axes stay as they are
-    assert decode["inputs"]["input_ids"] == {"min": [1, 1], "opt": [1, 1], "max": [8, 1]}
-    assert decode["inputs"]["attention_mask"]["opt"] == [1, 129]
+    assert (prefill.name, decode.name, scored.name) == ("prefill", "decode", "prompt_logprobs")
+    assert prefill.inputs["logit_positions"]["max"] == decode.inputs["logit_positions"]["max"] == [1]
+    assert scored.inputs["logit_positions"]["max"] == [2048] and scored.inputs["input_ids"]["max"] == [4, 2048]
+    assert prefill.inputs["input_ids"] == {"min": [1, 1], "opt": [1, 128], "max": [8, 2048]}
+    assert prefill.inputs["past_key_values.0.key"]["opt"] == [1, 3, 0, 64]  # fixed axes stay as they are
+    assert decode.inputs["input_ids"] == {"min": [1, 1], "opt": [1, 1], "max": [8, 1]}
+    assert decode.inputs["attention_mask"]["opt"] == [1, 129]
 
 
 def test_profile_selection():
@@ -51,7 +67,7 @@ def test_profile_selection():
 
 
 def test_buffers_hold_the_largest_shape_of_any_profile():
-    plan = buffer_plan(DECODER["io"], profiles_for(DECODER))
+    plan = buffer_plan(IO.model_validate(DECODER["io"]), profiles_for(DECODER))
     assert plan["logits"] == ("float32", 4 * 2048 * 49152)  # not 8 rows x 2048 positions: prefill keeps the last
     assert plan["present.0.key"] == ("float32", 8 * 3 * 2048 * 64)
     assert plan["past_key_values.0.key"] == ("float32", 8 * 3 * 2047 * 64)

@@ -80,13 +80,13 @@ def _cmd_build(args: argparse.Namespace) -> int:
             raise TrtServeError("--calibration is not taken for a parallel-track checkpoint: its engines are "
                                 "measured on the held-out part of the text it was trained on")
         engine = build_track_engines(Path(args.model), args.out, args.precision, target, args.allow_low_fidelity)
-        pt = engine.manifest["parallel_tracks"]
-        print(f"track-sharded engine written to {engine.path}: {pt['tracks']} tracks x {pt['segments']} segments, "
-              f"{pt['sync']['per_forward']} all-reduce(s) per forward")
+        pt = engine.manifest.parallel_tracks
+        print(f"track-sharded engine written to {engine.path}: {pt.tracks} tracks x {pt.segments} segments, "
+              f"{pt.sync.per_forward} all-reduce(s) per forward")
         print(f"parity vs torch fp32 (all tracks in one process): max abs error "
-              f"{engine.manifest['parity']['max_abs_error']:.2e}")
-        if "fidelity" in engine.manifest:
-            print(f"fidelity vs torch fp32 ({args.precision}): {summary(engine.manifest['fidelity'])}")
+              f"{engine.manifest.parity.max_abs_error:.2e}")
+        if engine.manifest.fidelity is not None:
+            print(f"fidelity vs torch fp32 ({args.precision}): {summary(engine.manifest.fidelity)}")
         return 0
     shapes, seed = _confirm_grid(args.confirm_grid) if args.confirm_grid else ((), 0)
     cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
@@ -96,7 +96,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
                       trt=_trt_options(args))
     engine = build_engine(cfg)
     print(f"engine written to {engine.path}")
-    print(f"fidelity vs torch fp32 ({engine.manifest['precision']['policy']}): {summary(engine.manifest['fidelity'])}")
+    print(f"fidelity vs torch fp32 ({engine.manifest.precision.policy}): {summary(engine.manifest.fidelity)}")
     return 0
 
 
@@ -159,7 +159,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from trtserve.engine_dir import open_engine_dir
 
     engine = open_engine_dir(args.engine_dir, verify=not args.no_verify)
-    print(json.dumps(engine.manifest, indent=2) if args.json else describe_manifest(engine))
+    print(json.dumps(engine.manifest.to_json(), indent=2) if args.json else describe_manifest(engine))
     return 0
 
 
@@ -174,7 +174,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     report = remeasure(engine, args.text)
     if args.json:
         print(json.dumps(report, indent=2))
-    print(f"fidelity of {engine.path} ({engine.manifest['precision']['policy']}) vs torch fp32: {summary(report)}")
+    print(f"fidelity of {engine.path} ({engine.manifest.precision.policy}) vs torch fp32: {summary(report)}")
     for failure in report["failures"]:
         print(f"  miss: {failure}")
     return 0 if report["passed"] else 1
@@ -228,8 +228,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print("  " + " ".join(f"{value:6.3f}" for value in row))
     from trtserve.precision.run import summary
 
-    print(f"fidelity vs torch fp32 at build ({backend.engine.manifest['precision']['policy']}): "
-          f"{summary(backend.engine.manifest['fidelity'])}")
+    print(f"fidelity vs torch fp32 at build ({backend.engine.manifest.precision.policy}): "
+          f"{summary(backend.engine.manifest.fidelity)}")
     backend.close()
     return 0
 

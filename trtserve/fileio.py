@@ -17,7 +17,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("TRTSERVE_CACHE", Path.home() / ".cache" / "trtserve"))
 
 
-BUILD_CODE = ("engine_builder", "precision", "models", "data", "engine_dir.py")  # what decides an engine's files
+BUILD_CODE = ("engine_builder", "precision", "models", "data", "engine_dir")  # what decides an engine's files
 
 
 def build_code_digest(root: Path | None = None) -> str:

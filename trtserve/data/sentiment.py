@@ -59,7 +59,7 @@ def head_for(engine, reference_embeddings: np.ndarray, labels: np.ndarray) -> di
     """The head trained on torch fp32 embeddings of the training split; cached by the engine's source."""
     from trtserve.fileio import cache_root
 
-    path = cache_root() / "heads" / f"sentiment-{engine.manifest['model']['source_sha256'][:16]}.npz"
+    path = cache_root() / "heads" / f"sentiment-{engine.manifest.model.source_sha256[:16]}.npz"
     if path.is_file():
         data = np.load(path)
         return {"weight": data["weight"], "bias": float(data["bias"])}
@@ -74,7 +74,7 @@ def downstream(backends: dict[str, object], reference_key: str, out: Path) -> di
     """Accuracy on the held-out split for each named backend (a TextEngine), and how many held-out
     predictions differ from the torch fp32 reference's."""
     texts, labels = polarity()
-    chunk = min(b.backend.engine.manifest["shapes"]["batch"]["max"] for b in backends.values())
+    chunk = min(b.backend.engine.manifest.shapes.batch.max for b in backends.values())
     embeddings = {name: embed_all(engine, texts, chunk) for name, engine in backends.items()}
     reference = backends[reference_key]
     head = head_for(reference.backend.engine, embeddings[reference_key], labels)

@@ -30,7 +30,7 @@ def model_kind(model: str) -> str:
 
     path = Path(model)
     if (path / MANIFEST).is_file():
-        return open_engine_dir(path, verify=False).manifest["model"]["kind"]
+        return open_engine_dir(path, verify=False).manifest.model.kind
     if (path / "config.json").is_file():
         return detect(read_config(path)).kind
     return resolve(model).info.kind

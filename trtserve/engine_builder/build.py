@@ -329,8 +329,8 @@ def remeasure(engine: engine_dir.EngineDir, calibration=None) -> dict:
     """`trtserve fidelity`: measure an existing engine again against its fp32 export, on any text."""
     from trtserve.precision.run import measure_engine
 
-    source = resolve(engine.manifest["model"]["source"])
-    target = Target(**engine.manifest["fidelity"]["target"])
+    source = resolve(engine.manifest.model.source)
+    target = Target(**engine.manifest.fidelity.target)
     return measure_engine(engine, source, fp32_export(source), target, calibration)
 
 

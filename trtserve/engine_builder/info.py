@@ -13,35 +13,34 @@ def describe_manifest(engine: EngineDir) -> str:
     from trtserve.precision.run import summary
 
     m = engine.manifest
-    if "parallel_tracks" in m:
+    if m.parallel_tracks is not None:
         return _describe_tracks(engine)
-    model, backend, arch = m["model"], m["backend"], m["model"]["architecture"]
+    model, backend, arch = m.model, m.backend, m.model.architecture
     lines = [
         f"engine      {engine.path}",
-        f"model       {model['id']} ({model['family']} {model['kind']}, {arch['num_layers']} layers, "
-        f"hidden {arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
-        f"source      {model['source_path']} (sha256 {model['source_sha256'][:16]}...)",
-        f"precision   {m['precision']['policy']}" + _graph(m["precision"].get("graph") or {})
-        + _search(m["precision"].get("search")),
-        f"backend     {backend['name']} {backend.get('onnxruntime_version', '')} ({backend.get('chosen_because', '')})"
-        + (f"; {backend['resident_mb']} MB resident once loaded and run" if backend.get("resident_mb") else ""),
-        *([f"            int8 activations in {backend['int8_activations']}"
+        f"model       {model.id} ({model.family} {model.kind}, {arch.num_layers} layers, "
+        f"hidden {arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} KV heads)",
+        f"source      {model.source_path} (sha256 {model.source_sha256[:16]}...)",
+        f"precision   {m.precision.policy}" + _graph(m.precision.graph or {}) + _search(m.precision.search),
+        f"backend     {backend.name} {backend.onnxruntime_version} ({backend.chosen_because or ''})"
+        + (f"; {backend.resident_mb} MB resident once loaded and run" if backend.resident_mb else ""),
+        *([f"            int8 activations in {backend.int8_activations}"
            + "".join(f"; {t['plan']}" + (f" with {t['kept_safer']} weights kept safer" if "kept_safer" in t else "")
-                     + " missed the target" for t in backend.get("int8_activations_missed", []))]
-          if "int8_activations" in backend else []),
-        *_kv_graph(backend.get("kv_graph")),
-        *_tensorrt(m.get("tensorrt")),
-        f"onnx        {m['onnx']['file']} opset {m['onnx']['opset']} (sha256 {m['onnx']['sha256'][:16]}...)",
-        "shapes      " + ", ".join(f"{axis} {r['min']}..{r['max']} (opt {r['opt']})" for axis, r in m["shapes"].items()),
-        "inputs      " + ", ".join(_io(spec) for spec in m["io"]["inputs"][:4])
-        + (f", ... ({len(m['io']['inputs'])} in all)" if len(m["io"]["inputs"]) > 4 else ""),
-        "outputs     " + ", ".join(_io(spec) for spec in m["io"]["outputs"][:3])
-        + (f", ... ({len(m['io']['outputs'])} in all)" if len(m["io"]["outputs"]) > 3 else ""),
-        f"fidelity    {summary(m['fidelity'])}",
-        "files       " + ", ".join(f"{name} {_mb(entry['size'])}" for name, entry in m["files"].items()),
-        f"built       {m['created']} in {m.get('build_seconds', '?')}s with "
-        + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
-        f"rebuild     {m['build_command']}",
+                     + " missed the target" for t in backend.int8_activations_missed or [])]
+          if backend.int8_activations is not None else []),
+        *_kv_graph(backend.kv_graph),
+        *_tensorrt(m.tensorrt),
+        f"onnx        {m.onnx.file} opset {m.onnx.opset} (sha256 {m.onnx.sha256[:16]}...)",
+        "shapes      " + ", ".join(f"{axis} {r.min}..{r.max} (opt {r.opt})" for axis, r in m.shapes.axes().items()),
+        "inputs      " + ", ".join(_io(spec) for spec in m.io.inputs[:4])
+        + (f", ... ({len(m.io.inputs)} in all)" if len(m.io.inputs) > 4 else ""),
+        "outputs     " + ", ".join(_io(spec) for spec in m.io.outputs[:3])
+        + (f", ... ({len(m.io.outputs)} in all)" if len(m.io.outputs) > 3 else ""),
+        f"fidelity    {summary(m.fidelity)}",
+        "files       " + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items()),
+        f"built       {m.created} in {m.build_seconds if m.build_seconds is not None else '?'}s with "
+        + ", ".join(f"{k} {v}" for k, v in (m.versions or {}).items()),
+        f"rebuild     {m.build_command}",
     ]
     return "\n".join(lines)
 
@@ -49,35 +48,34 @@ def describe_manifest(engine: EngineDir) -> str:
 def _describe_tracks(engine: EngineDir) -> str:
     from trtserve.precision.run import summary
 
-    m, pt = engine.manifest, engine.manifest["parallel_tracks"]
-    arch = m["model"]["architecture"]
+    m, pt = engine.manifest, engine.manifest.parallel_tracks
+    arch = m.model.architecture
     return "\n".join([
         f"engine      {engine.path}",
-        f"model       {m['model']['id']} (parallel-track decoder, {arch['num_layers']} layers, hidden "
-        f"{arch['hidden_size']}, {arch['num_heads']} heads / {arch['num_kv_heads']} KV heads)",
-        f"tracks      {pt['tracks']} tracks x {pt['segments']} segments of {pt['block_depth']} layers; "
-        f"{pt['kv_heads_per_track']} KV head(s) per track",
-        f"sync        {pt['sync']['op']} of {pt['sync']['of']} after each segment: "
-        f"{pt['sync']['per_forward']} per forward",
-        f"precision   {m['precision']['policy']}" + _track_formats(m["precision"]),
-        *([f"fidelity    {summary(m['fidelity'])}"] if "fidelity" in m else []),
-        f"parity      max abs error {m['parity']['max_abs_error']:.2e} ({m['parity']['against']})",
-        "files       " + ", ".join(f"{name} {_mb(entry['size'])}" for name, entry in m["files"].items()),
-        f"rebuild     {m['build_command']}",
+        f"model       {m.model.id} (parallel-track decoder, {arch.num_layers} layers, hidden "
+        f"{arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} KV heads)",
+        f"tracks      {pt.tracks} tracks x {pt.segments} segments of {pt.block_depth} layers; "
+        f"{pt.kv_heads_per_track} KV head(s) per track",
+        f"sync        {pt.sync.op} of {pt.sync.of} after each segment: {pt.sync.per_forward} per forward",
+        f"precision   {m.precision.policy}" + _track_formats(m.precision),
+        *([f"fidelity    {summary(m.fidelity)}"] if m.fidelity is not None else []),
+        f"parity      max abs error {m.parity.max_abs_error:.2e} ({m.parity.against})",
+        "files       " + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items()),
+        f"rebuild     {m.build_command}",
     ])
 
 
-def _track_formats(precision: dict) -> str:
-    if "formats" not in precision:
+def _track_formats(precision) -> str:
+    if precision.formats is None:
         return ""
-    counts = ", ".join(f"{n} {fmt}" for fmt, n in precision["formats"].items())
-    missed = len(precision.get("int8_activations_missed", []))
-    return (f": weights {counts} (the {precision['kept_safer']} most sensitive kept safer); int8 activations in "
-            f"{precision['int8_activations']}" + (f" ({missed} earlier tr{'y' if missed == 1 else 'ies'} missed the target)" if missed else ""))
+    counts = ", ".join(f"{n} {fmt}" for fmt, n in precision.formats.items())
+    missed = len(precision.int8_activations_missed or [])
+    return (f": weights {counts} (the {precision.kept_safer} most sensitive kept safer); int8 activations in "
+            f"{precision.int8_activations}" + (f" ({missed} earlier tr{'y' if missed == 1 else 'ies'} missed the target)" if missed else ""))
 
 
-def _io(spec: dict) -> str:
-    return f"{spec['name']} {spec['dtype']}[{', '.join(map(str, spec['shape']))}]"
+def _io(spec) -> str:
+    return f"{spec.name} {spec.dtype}[{', '.join(map(str, spec.shape))}]"
 
 
 def _widened(report: dict) -> str:
@@ -118,26 +116,27 @@ def _search(record: dict | None) -> str:
     return f"; auto: {len(record['units_kept_fp32'])} of {record['candidate_units']} candidate units fp32{added}"
 
 
-def _tensorrt(entry: dict | None) -> list[str]:
-    if not entry:
+def _tensorrt(entry) -> list[str]:
+    if entry is None:
         return []
-    by_type = entry["layer_precision"]["float_outputs_by_layer_type"]
+    check = entry.layer_precision  # a record of engine_builder.tensorrt.check_precision
+    by_type = check["float_outputs_by_layer_type"]
     kinds = ("MATRIX_MULTIPLY", "SOFTMAX", "NORMALIZATION", "REDUCE")
     types = ", ".join(f"{k.lower()} {'/'.join(f'{n} {t}' for t, n in by_type[k].items())}" for k in kinds if k in by_type)
-    kernels = entry.get("kernels", {"count": "?", "output_dtypes_by_kernel_type": {}})
-    return [f"tensorrt    {entry['plan']} ({entry['flavour']} {entry['version']}, {entry['compute_capability']}, "
-            f"profiles {', '.join(p['name'] for p in entry['profiles'])})",
-            f"            layer outputs: {types}; {len(entry['layer_precision']['violations'])} precision violations"
-            + "".join(f"; {n} {t} weights" for t, n in entry["layer_precision"].get("quantized_weights", {}).items()),
+    kernels = entry.kernels or {"count": "?", "output_dtypes_by_kernel_type": {}}
+    return [f"tensorrt    {entry.plan} ({entry.flavour} {entry.version}, {entry.compute_capability}, "
+            f"profiles {', '.join(p.name for p in entry.profiles)})",
+            f"            layer outputs: {types}; {len(check['violations'])} precision violations"
+            + "".join(f"; {n} {t} weights" for t, n in check.get("quantized_weights", {}).items()),
             f"            kernels after fusion: {kernels['count']} ("
             + ", ".join(f"{k} {'/'.join(f'{n} {t}' for t, n in v.items())}"
                         for k, v in kernels["output_dtypes_by_kernel_type"].items()) + ")"]
 
 
-def _kv_graph(entry: dict | None) -> list[str]:
-    if not entry:
+def _kv_graph(entry) -> list[str]:
+    if entry is None:
         return []
-    if not entry.get("file"):
-        return [f"decode      no in-place KV graph: {entry.get('why_not')}"]
-    return [f"decode      {entry['file']}: GroupQueryAttention over in-place KV buffers of {entry['capacity']} tokens, "
-            f"logits within {entry['check']['max_relative_difference']:.1e} of the optimized graph"]
+    if not entry.file:
+        return [f"decode      no in-place KV graph: {entry.why_not}"]
+    return [f"decode      {entry.file}: GroupQueryAttention over in-place KV buffers of {entry.capacity} tokens, "
+            f"logits within {entry.check['max_relative_difference']:.1e} of the optimized graph"]

@@ -332,18 +332,21 @@ CHECK_STEPS = 4
 CHECK_TOLERANCE = 5e-3  # largest logit difference allowed, relative to the largest logit
 
 
-def build_kv(tmp: Path, manifest: dict) -> dict:
+def build_kv(tmp: Path, manifest) -> dict:
     """Write the decode graph beside the optimized one and check it against that graph; return the backend
-    entry's `kv_graph` record ({"file": None, "why_not": ...} when it cannot be made or misses the check)."""
+    entry's `kv_graph` record ({"file": None, "why_not": ...} when it cannot be made or misses the check).
+    `manifest`: the engine's so far (typed, or the dict the build is composing)."""
     import onnxruntime as ort
 
     from trtserve.engine_builder.onnxruntime import OPTIMIZED
+    from trtserve.engine_dir import as_manifest
 
-    arch = manifest["model"]["architecture"]
-    capacity = manifest["shapes"]["total_sequence"]["max"]
+    manifest = as_manifest(manifest)
+    arch = manifest.model.architecture
+    capacity = manifest.shapes.total_sequence.max
     try:
-        lowered = lower(onnx.load(str(tmp / manifest["onnx"]["file"])), arch["num_heads"], arch["num_kv_heads"],
-                        arch["head_dim"], capacity)
+        lowered = lower(onnx.load(str(tmp / manifest.onnx.file)), arch.num_heads, arch.num_kv_heads,
+                        arch.head_dim, capacity)
     except NotLowered as exc:
         return {"file": None, "why_not": str(exc)}
     staged, out = tmp / "kv.portable.onnx", tmp / KV_GRAPH
@@ -382,7 +385,7 @@ def _same_lowerings(main: Path, kv: Path) -> None:
     onnx.save(model, str(kv))
 
 
-def check_kv(tmp: Path, manifest: dict) -> dict:
+def check_kv(tmp: Path, manifest) -> dict:
     """Random prompts through the slots (batched, right-padded, one prompt in two chunks beside idle rows, then
     decode steps) against each prompt alone through the optimized graph, on the same tokens."""
     from trtserve.engine_dir import EngineDir
@@ -391,7 +394,7 @@ def check_kv(tmp: Path, manifest: dict) -> dict:
     from trtserve.runtime.ort import OrtBackend
 
     engine = EngineDir(tmp, manifest)
-    vocab = manifest["model"]["architecture"]["vocab_size"]
+    vocab = engine.manifest.model.architecture.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, n) for n in CHECK_LENGTHS]
     slots = KVSlots(engine, len(prompts), threads=2)

@@ -269,7 +269,7 @@ def _quantized(exports: Path, tmp: Path, graphs: dict, model, chosen: tuple, tar
             break
         missed.append({"kept_safer": kept, "plan": what, "fidelity": summary(report)})
     if not report["passed"] and not allow_low_fidelity:
-        raise TrtServeError(f"the {manifest['precision']['policy']} track engines miss the fidelity target "
+        raise TrtServeError(f"the {engine_dir.as_manifest(manifest).precision.policy} track engines miss the fidelity target "
                             f"({len(report['failures'])} failures, e.g. {'; '.join(report['failures'][:3])}); nothing "
                             "was written. Use --precision fp32 or hybrid, relax --fidelity-target, or pass "
                             "--allow-low-fidelity to keep them anyway")

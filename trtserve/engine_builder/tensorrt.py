@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trtserve.engine_dir.manifest import IO, Profile, Range, Shapes
 from trtserve.errors import TrtServeError
 from trtserve.fileio import sha256_file
 from trtserve.progress import say
@@ -31,38 +32,37 @@ class TrtOptions:
 PROMPT_LOGPROBS_BATCH = 4  # rows of the profile that returns every position's logits
 
 
-def profiles_for(manifest: dict) -> list[dict]:
+def profiles_for(kind: str, shapes: Shapes, io: IO) -> list[Profile]:
     """Optimization profiles from the manifest's shape ranges: one for encoders; for decoders one
     for prefill (past 0 at opt) and one for single-token decode over a growing past, both with the
     logits of one position per row; and, for the prompt's logprobs, one whose rows (at most
     PROMPT_LOGPROBS_BATCH) return every position, so that the logits buffer is sized for that
     batch, not for the largest batch times the longest prompt."""
-    shapes = manifest["shapes"]
-    if manifest["model"]["kind"] == "encoder":
-        plans = [("all", {"batch": shapes["batch"], "sequence": shapes["sequence"]})]
+    if kind == "encoder":
+        plans = [("all", {"batch": shapes.batch, "sequence": shapes.sequence})]
     else:
-        seq, past, total = shapes["sequence"], shapes["past_sequence"], shapes["total_sequence"]
-        one = {"logit_positions": {"min": 1, "opt": 1, "max": 1}} if "logit_positions" in shapes else {}
-        prefill = {"batch": shapes["batch"], "sequence": seq, "past_sequence": {"min": 0, "opt": 0, "max": past["max"]},
-                   "total_sequence": {"min": 1, "opt": seq["opt"], "max": total["max"]}}
+        seq, past, total = shapes.sequence, shapes.past_sequence, shapes.total_sequence
+        one = {"logit_positions": Range(min=1, opt=1, max=1)} if shapes.logit_positions else {}
+        prefill = {"batch": shapes.batch, "sequence": seq, "past_sequence": Range(min=0, opt=0, max=past.max),
+                   "total_sequence": Range(min=1, opt=seq.opt, max=total.max)}
         plans = [
             ("prefill", {**prefill, **one}),
-            ("decode", {"batch": shapes["batch"], "sequence": {"min": 1, "opt": 1, "max": 1},
-                        "past_sequence": {"min": 0, "opt": past["opt"], "max": past["max"]},
-                        "total_sequence": {"min": 1, "opt": min(past["opt"] + 1, total["max"]),
-                                           "max": total["max"]}, **one}),
+            ("decode", {"batch": shapes.batch, "sequence": Range(min=1, opt=1, max=1),
+                        "past_sequence": Range(min=0, opt=past.opt, max=past.max),
+                        "total_sequence": Range(min=1, opt=min(past.opt + 1, total.max), max=total.max), **one}),
         ]
         if one:
-            rows = min(PROMPT_LOGPROBS_BATCH, shapes["batch"]["max"])
-            plans.append(("prompt_logprobs", {**prefill, "batch": {"min": 1, "opt": 1, "max": rows},
-                                              "logit_positions": {**shapes["logit_positions"], "opt": seq["opt"]}}))
+            rows = min(PROMPT_LOGPROBS_BATCH, shapes.batch.max)
+            plans.append(("prompt_logprobs", {**prefill, "batch": Range(min=1, opt=1, max=rows),
+                                              "logit_positions": shapes.logit_positions.model_copy(
+                                                  update={"opt": seq.opt})}))
     profiles = []
     for name, ranges in plans:
         inputs = {}
-        for spec in manifest["io"]["inputs"]:
-            inputs[spec["name"]] = {point: [ranges[d][point] if isinstance(d, str) else d for d in spec["shape"]]
-                                    for point in ("min", "opt", "max")}
-        profiles.append({"name": name, "ranges": ranges, "inputs": inputs})
+        for spec in io.inputs:
+            inputs[spec.name] = {point: [getattr(ranges[d], point) if isinstance(d, str) else d for d in spec.shape]
+                                 for point in ("min", "opt", "max")}
+        profiles.append(Profile(name=name, ranges=ranges, inputs=inputs))
     return profiles
 
 
@@ -137,8 +137,12 @@ def check_precision(layers: list[tuple[str, str, str]], expected: dict[str, str]
             "violations": violations}
 
 
-def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOptions = TrtOptions()) -> dict:
-    """Build `out_dir/model.plan` from the mixed ONNX graph; return the manifest's `tensorrt` entry."""
+def build_trt(onnx_path: Path, out_dir: Path, manifest, options: TrtOptions = TrtOptions()) -> dict:
+    """Build `out_dir/model.plan` from the mixed ONNX graph; return the manifest's `tensorrt` entry.
+    `manifest`: the engine's so far (its model, io and shapes are read)."""
+    from trtserve.engine_dir import as_manifest
+
+
     from trtserve.runtime.trt_lib import flavour_of, load_tensorrt, logger
 
     trt, flavour = load_tensorrt()
@@ -163,10 +167,11 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOption
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     if options.workspace_mib:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_mib << 20)
-    profiles = profiles_for(manifest)
+    manifest = as_manifest(manifest)
+    profiles = profiles_for(manifest.model.kind, manifest.shapes, manifest.io)
     for profile in profiles:
         opt = builder.create_optimization_profile()
-        for name, shape in profile["inputs"].items():
+        for name, shape in profile.inputs.items():
             opt.set_shape(name, shape["min"], shape["opt"], shape["max"])
         config.add_optimization_profile(opt)
     targets = _set_targets(trt, flavour, config, options)
@@ -187,7 +192,7 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest: dict, options: TrtOption
         "plan": PLAN,
         "plan_sha256": sha256_file(out_dir / PLAN),
         "strongly_typed": True,
-        "profiles": profiles,
+        "profiles": [profile.model_dump() for profile in profiles],
         "io": _network_io(network),
         "compute_capability": targets,
         "workspace_mib": options.workspace_mib,

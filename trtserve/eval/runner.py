@@ -161,12 +161,12 @@ class _Session:
                    working_bytes=working, backend_load_bytes=loaded,
                    memory_bytes=None if working is None or loaded is None else working + loaded,
                    engine_bytes=(engine.path / "model.onnx").stat().st_size,
-                   engine_sha256=engine.manifest["onnx"]["sha256"])
+                   engine_sha256=engine.manifest.onnx.sha256)
         if config.backend == "torch":  # kept for this shape's rows only: a decoder's logits are large
             self.references = {config.shape: output}
         reference = self._reference(config, feeds) if "torch" in self.grid.backends else None
         if reference is not None:
-            row["fidelity"] = _fidelity(reference, output, engine.manifest["model"]["kind"])
+            row["fidelity"] = _fidelity(reference, output, engine.manifest.model.kind)
             row["fidelity_positions"] = "every"  # earlier runs judged at most 64 evenly spaced positions per row
             if config.backend != "torch":
                 row["target_misses"] = _target_misses(row["fidelity"], config, engine.manifest)
@@ -190,7 +190,7 @@ class _Session:
             if config.backend != "torch" or config.input != "real" or config.model in done:
                 continue
             done.add(config.model)
-            if self._engine(config.model, "fp32").manifest["model"]["kind"] != "encoder":
+            if self._engine(config.model, "fp32").manifest.model.kind != "encoder":
                 continue
             self.switch_to(config.model)
             engines = {}
@@ -277,11 +277,11 @@ class _Session:
         engine = self._engine(config.model, config.precision)
         from trtserve.fileio import cache_root
 
-        graph = cache_root() / "eval" / "emulation" / f"{engine.manifest['onnx']['sha256'][:16]}.onnx"
+        graph = cache_root() / "eval" / "emulation" / f"{engine.manifest.onnx.sha256[:16]}.onnx"
         if not graph.is_file():
             graph.parent.mkdir(parents=True, exist_ok=True)
-            fp32 = onnx.load(engine.manifest["onnx"]["fp32_export_cache"])
-            onnx.save(emulation_model(fp32, policy_from_manifest(engine.manifest["precision"])), str(graph))
+            fp32 = onnx.load(engine.manifest.onnx.fp32_export_cache)
+            onnx.save(emulation_model(fp32, policy_from_manifest(engine.manifest.precision)), str(graph))
         return OrtBackend(engine, graph=graph)
 
     def _feeds(self, config: Config, backend) -> dict:
@@ -335,7 +335,7 @@ def _fidelity(reference: np.ndarray, output: np.ndarray, kind: str) -> dict:
     return result
 
 
-def _target_misses(fidelity: dict, config: Config, manifest: dict) -> list[str]:
+def _target_misses(fidelity: dict, config: Config, manifest) -> list[str]:
     """How this row misses the fidelity target its engine was built to (`precision.measure.failures`; random
     ids judged by their own bounds, top-1 on real text only; every position of every row)."""
     from trtserve.precision.measure import Target, failures
@@ -344,33 +344,34 @@ def _target_misses(fidelity: dict, config: Config, manifest: dict) -> list[str]:
     case = {"input": config.input, "output": tensor}
     if "top1" in fidelity and config.input == "real":
         case["top1_agreement"] = fidelity["top1"]
-    return failures({"cases": {config.key: case}}, Target(**manifest["fidelity"]["target"]))
+    return failures({"cases": {config.key: case}}, Target(**manifest.fidelity.target))
 
 
 def engine_fidelity(engine) -> dict:
     """What the engine's build measured (its gate): the worst of each metric per run, and the sentences."""
     from trtserve.precision.run import worst
 
-    fidelity = engine.manifest["fidelity"]
-    runs = {name: worst(fidelity[name]) for name in ("onnxruntime", "fp16_emulation") if name in fidelity}
-    sentences = {name: fidelity[name]["sentences"] for name in runs if fidelity[name].get("sentences")}
-    return {"passed": fidelity["passed"], "failures": fidelity["failures"], "lengths": fidelity["lengths"],
-            "target": fidelity["target"], "runs": runs, "sentences": sentences,
-            "resident_mb": engine.manifest.get("backend", {}).get("resident_mb"),  # a fresh process, loaded and run
+    fidelity = engine.manifest.fidelity
+    runs = {name: worst(run) for name, run in fidelity.runs().items()}
+    sentences = {name: run["sentences"] for name, run in fidelity.runs().items() if run.get("sentences")}
+    backend = engine.manifest.backend
+    return {"passed": fidelity.passed, "failures": fidelity.failures, "lengths": fidelity.lengths,
+            "target": fidelity.target, "runs": runs, "sentences": sentences,
+            "resident_mb": backend and backend.resident_mb,  # a fresh process, loaded and run
             "grid_shapes": _grid_shapes(engine.manifest)}
 
 
-def _grid_shapes(manifest: dict) -> int:
+def _grid_shapes(manifest) -> int:
     """How many of the gate's shapes came from `--confirm-grid` (the evaluation holds its engines to its grid)."""
-    if "confirm_grid" in manifest:
-        name = manifest["confirm_grid"]["label"]
+    if manifest.confirm_grid is not None:
+        name = manifest.confirm_grid.label
     else:  # built before the manifest recorded it
-        parts = manifest.get("build_command", "").split()
+        parts = (manifest.build_command or "").split()
         if "--confirm-grid" not in parts:
             return 0
         name = Path(parts[parts.index("--confirm-grid") + 1]).stem
     grid_case = re.compile(rf"{re.escape(name)} ({'|'.join(INPUTS)}) b\d+ seq\d+")  # measure._label after the name
-    return sum(bool(grid_case.fullmatch(label)) for label in manifest["fidelity"]["onnxruntime"]["cases"])
+    return sum(bool(grid_case.fullmatch(label)) for label in manifest.fidelity.onnxruntime["cases"])
 
 
 def _reset_peak_rss() -> None:

@@ -147,7 +147,7 @@ def wide_shapes(lengths, max_batch: int) -> list[tuple[str, int, int]]:
 def _wide_rows(backend, tokenizer, corpus: Corpus, kind: str, batch: int, length: int, left: bool):
     """Token ids and mask of one wide shape: rows past the first half padded by 1/8, 1/4, 1/2, 3/4."""
     if kind == "random":
-        vocab = backend.engine.manifest["model"]["architecture"]["vocab_size"]
+        vocab = backend.engine.manifest.model.architecture.vocab_size
         rng = np.random.default_rng([batch, length])
         ids = random_ids(vocab, rng, (batch, length))
     else:
@@ -186,7 +186,7 @@ def grid_ids(engine, kind: str, batch: int, length: int, seed: int) -> np.ndarra
     """The token ids `trtserve eval` feeds for one shape: random ids from a generator seeded by (seed, batch,
     length), or rows of consecutive Wikipedia text, a different passage per row."""
     if kind == "random":
-        vocab = engine.manifest["model"]["architecture"]["vocab_size"]
+        vocab = engine.manifest.model.architecture.vocab_size
         rng = np.random.default_rng([seed, batch, length])
         return random_ids(vocab, rng, (batch, length))
     from trtserve.data.corpus import wiki_text
@@ -212,7 +212,7 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
         mask[1, length - length // 4:] = 0  # row 1 right-padded: covers padding masks
         ids[1, length - length // 4:] = tokenizer.pad_token_id or 0
         cases[f"seq{length}"] = _encoder_case(backend, ref_model, ids, mask)
-    for kind, batch, length in wide_shapes(lengths, backend.engine.manifest["shapes"]["batch"]["max"]) if wide else ():
+    for kind, batch, length in wide_shapes(lengths, backend.engine.manifest.shapes.batch.max) if wide else ():
         ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=False)
         cases[_label(kind, batch, length)] = {"input": kind, **_encoder_case(backend, ref_model, ids, mask)}
     for name, kind, batch, length, seed in grid:
@@ -255,8 +255,8 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
 
     texts, labels = polarity()
     names = {spec.name for spec in backend.inputs}
-    chunk = min(32, backend.engine.manifest["shapes"]["batch"]["max"])
-    max_seq = backend.engine.manifest["shapes"]["sequence"]["max"]
+    chunk = min(32, backend.engine.manifest.shapes.batch.max)
+    max_seq = backend.engine.manifest.shapes.sequence.max
     ours, ref = [], []
     for i in range(0, len(texts), chunk):
         enc = tokenizer(texts[i:i + chunk], padding=True, truncation=True, max_length=max_seq, return_tensors="np")
@@ -292,7 +292,7 @@ def neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
 def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, decode: bool = True,
                    wide: bool = True, grid=()) -> dict:
     cases = {f"seq{length}": _decoder_prefill(backend, ref_model, tokenizer, length, corpus) for length in lengths}
-    for kind, batch, length in wide_shapes(lengths, backend.engine.manifest["shapes"]["batch"]["max"]) if wide else ():
+    for kind, batch, length in wide_shapes(lengths, backend.engine.manifest.shapes.batch.max) if wide else ():
         ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=True)
         cases[_label(kind, batch, length)] = {"input": kind,
                                               **_decoder_case(backend, ref_model, ids, mask, real=kind == "real")}
@@ -302,7 +302,7 @@ def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
             "input": kind, **_decoder_case(backend, ref_model, ids, mask, real=kind == "real")}
     if not decode:
         return {"text": corpus.name, "cases": cases}
-    max_total = backend.engine.manifest["shapes"]["total_sequence"]["max"]
+    max_total = backend.engine.manifest.shapes.total_sequence.max
     prompt = min(DECODE_PROMPT, max_total - DECODE_STEPS)
     return {"text": corpus.name, "cases": cases, "decode": _decoder_decode(backend, ref_model, tokenizer, prompt, corpus)}
 

@@ -78,8 +78,9 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown precision policy {name!r}; available: {', '.join(POLICIES)}") from None
 
 
-def policy_from_manifest(entry: dict) -> Policy:
-    """The policy an engine was built with (explicit fp32 node sets included)."""
-    base = get_policy(entry["policy"])
-    nodes = frozenset(entry.get("fp32_nodes") or ())
+def policy_from_manifest(entry) -> Policy:
+    """The policy an engine was built with (explicit fp32 node sets included), from its manifest's
+    `precision` section (engine_dir.manifest.Precision)."""
+    base = get_policy(entry.policy)
+    nodes = frozenset(entry.fp32_nodes)
     return base if nodes == base.fp32_nodes else Policy(**{**base.__dict__, "fp32_nodes": nodes})

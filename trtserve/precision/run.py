@@ -28,7 +28,7 @@ class Harness:
 
         self.engine, self.target = engine, target
         self.corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
-        self.lengths = lengths_for(engine.manifest["shapes"]["sequence"]["max"])
+        self.lengths = lengths_for(engine.manifest.shapes.sequence.max)
         self.kind = source.info.kind
         self.report_fn = encoder_report if self.kind == "encoder" else decoder_report
         self.grid_shapes = []  # (name, input, batch, length, seed) from --confirm-grid, measured with `wide`
@@ -70,7 +70,7 @@ def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, h
 
     from trtserve.precision.policy import policy_from_manifest
 
-    policy = policy_from_manifest(engine.manifest["precision"])
+    policy = policy_from_manifest(engine.manifest.precision)
     harness = harness or Harness(engine, source, target, calibration)
     harness.engine = engine  # the complete engine (a search may have run on a partial manifest)
     runs = ["onnxruntime"] + (["fp16_emulation"] if policy.anchors else [])
@@ -116,28 +116,35 @@ def worst(report: dict) -> dict:
     return out
 
 
-def summary(fidelity: dict) -> str:
+def summary(fidelity) -> str:
+    """One line of a fidelity record: a manifest's (engine_dir Fidelity) or a measurement's as measured."""
+    from trtserve.engine_dir.manifest import Fidelity
+
+    if not isinstance(fidelity, Fidelity):
+        fidelity = Fidelity.model_validate(fidelity)
     parts = []
-    for name in ("onnxruntime", "fp16_emulation"):
-        if name not in fidelity:
-            continue
-        w = worst(fidelity[name])
+    for name, run in fidelity.runs().items():
+        w = worst(run)
         text = (f"{name}: cos {w['cosine']:.6f}, worst-token cos {w['token_cosine']:.6f}, "
                 f"max abs {w['max_abs_error']:.2e}, NaN/Inf {w['nonfinite']}")
         if "top1" in w:
             text += f", top-1 {w['top1']:.2%}, ppl delta {w['ppl_delta']:.2e}"
         if "random_cosine" in w:
             text += f"; random ids: cos {w['random_cosine']:.6f}, worst-token cos {w['random_token_cosine']:.6f}"
-        sentences = fidelity[name].get("sentences")
+        sentences = run.get("sentences")
         if sentences:
             text += (f"; {sentences['data'].split(' (')[0]}: mean cos {sentences['mean_cosine']:.6f}, worst "
                      f"{sentences['worst_cosine']:.6f}, top-10 neighbours {sentences['neighbours']:.1%}, sentiment "
                      f"flips {sentences['sentiment_flips']} of {sentences['sentiment_held_out']}")
         parts.append(text)
-    verdict = "passed" if fidelity["passed"] else "FAILED"
-    return f"{verdict} at lengths {fidelity['lengths']} on {fidelity['text']}: " + "; ".join(parts)
+    verdict = "passed" if fidelity.passed else "FAILED"
+    return f"{verdict} at lengths {fidelity.lengths} on {fidelity.text}: " + "; ".join(parts)
 
 
 def screen_summary(report: dict, lengths: list[int], text: str) -> str:
     """summary() of one Harness.run report (a screen: no emulation, prefill only)."""
-    return summary({"onnxruntime": report, "passed": report["passed"], "lengths": lengths, "text": text}) + ", prefill only"
+    from trtserve.engine_dir.manifest import Fidelity
+
+    screen = Fidelity(onnxruntime=report, passed=report["passed"], failures=report["failures"], lengths=lengths,
+                      text=text, target={})
+    return summary(screen) + ", prefill only"

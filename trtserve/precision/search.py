@@ -161,7 +161,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         spec = next(v for v in fp32_model.graph.input if v.name.startswith("past_key_values."))
         dims = spec.type.tensor_type.shape.dim
         past = (dims[1].dim_value, dims[3].dim_value)
-    vocab = harness.engine.manifest["model"]["architecture"]["vocab_size"]
+    vocab = harness.engine.manifest.model.architecture.vocab_size
     noise = random_ids(vocab, np.random.default_rng(0), (2, length))
     # calibrated on real text and on random ids: random ids reach activations real text does not
     feeds = [probe_feeds(info_kind, batch, names, past) for batch in (rows[0:2], rows[2:4], noise)]

@@ -8,7 +8,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
 def runtime_for(engine) -> tuple[str, str]:
     """(backend, why) that `auto` picks for an opened engine dir: its TensorRT plan when this
     machine can run it, else the ONNX Runtime graph (the CPU default that always works)."""
-    entry = engine.manifest.get("tensorrt")
+    entry = engine.manifest.tensorrt
     if not entry:
         return "onnxruntime", "the engine has no TensorRT plan"
     from trtserve.runtime.devices import cuda_device_info

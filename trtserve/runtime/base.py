@@ -19,8 +19,9 @@ class TensorSpec:
     shape: tuple  # ints for fixed axes, names ("batch", "sequence", ...) for dynamic ones
 
     @classmethod
-    def from_json(cls, entry: dict) -> "TensorSpec":
-        return cls(entry["name"], entry["dtype"], tuple(entry["shape"]))
+    def of(cls, tensor) -> "TensorSpec":
+        """From the manifest's io entry (engine_dir.manifest.Tensor)."""
+        return cls(tensor.name, tensor.dtype, tuple(tensor.shape))
 
 
 class Backend(Protocol):
@@ -37,13 +38,15 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def io_specs(manifest: dict) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    io = manifest["io"]
-    return tuple(map(TensorSpec.from_json, io["inputs"])), tuple(map(TensorSpec.from_json, io["outputs"]))
+def io_specs(manifest) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    io = manifest.io
+    return tuple(map(TensorSpec.of, io.inputs)), tuple(map(TensorSpec.of, io.outputs))
 
 
-def check_feeds(feeds: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...], ranges: dict) -> dict[str, int]:
-    """Check names, dtypes, ranks and axis ranges; return the value bound to each named axis."""
+def check_feeds(feeds: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...], shapes) -> dict[str, int]:
+    """Check names, dtypes, ranks and axis ranges (the manifest's `shapes`); return the value bound to each
+    named axis."""
+    ranges = shapes.axes()
     expected = {spec.name for spec in specs}
     missing, extra = expected - set(feeds), set(feeds) - expected
     if missing or extra:
@@ -75,8 +78,8 @@ def _bind_axis(name: str, axis, size: int, bound: dict, ranges: dict) -> None:
         raise InputError(f"axis {axis} is {bound[axis]} in one input and {size} in {name}")
     bound[axis] = size
     limits = ranges.get(axis)
-    if limits and not limits["min"] <= size <= limits["max"]:
+    if limits and not limits.min <= size <= limits.max:
         raise InputError(
-            f"input {name}: {axis}={size} is outside the engine's range [{limits['min']}, {limits['max']}]; "
+            f"input {name}: {axis}={size} is outside the engine's range [{limits.min}, {limits.max}]; "
             f"rebuild with a larger --max-{'batch' if axis == 'batch' else 'seq'} to allow it"
         )

@@ -79,11 +79,11 @@ class ContinuousBatcher:
         padded tokens fed per step (a chunk: newcomers x columns; None: the whole prefill in one call)."""
         manifest = backend.engine.manifest
         self.backend, self.eos_ids, self.pad_id = backend, set(eos_ids), pad_id
-        self.max_num_seqs = min(max_num_seqs, manifest["shapes"]["batch"]["max"])
+        self.max_num_seqs = min(max_num_seqs, manifest.shapes.batch.max)
         self.max_batched_tokens = max_batched_tokens
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_seq = manifest["shapes"]["total_sequence"]["max"]
-        self.vocab = manifest["model"]["architecture"]["vocab_size"]
+        self.max_seq = manifest.shapes.total_sequence.max
+        self.vocab = manifest.model.architecture.vocab_size
         self.names = past_names(backend)
         specs = {spec.name: spec for spec in backend.inputs}
         self.kv_shape = {n: (specs[n].shape[1], specs[n].shape[3]) for n in self.names}  # (Hkv, D)

@@ -20,8 +20,8 @@ QUERY_LENS, SEQLENS, TOTAL, LOGIT_INDEX = "query_seqlens", "seqlens_k", "total_s
 
 def kv_graph_of(engine) -> str | None:
     """The engine's decode graph file, when its build made and checked one."""
-    entry = engine.manifest.get("backend", {}).get("kv_graph") or {}
-    return entry.get("file") if entry.get("file") == KV_GRAPH and engine.file(KV_GRAPH).is_file() else None
+    entry = engine.manifest.kv_graph
+    return entry.file if entry and entry.file == KV_GRAPH and engine.file(KV_GRAPH).is_file() else None
 
 
 _RELEASABLE = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_DONTNEED")  # POSIX (Linux, macOS)
@@ -56,7 +56,7 @@ class KVSlots:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized at build
             session = ort.InferenceSession(str(engine.file(KV_GRAPH)), options, providers=["CPUExecutionProvider"])
         self.session = session
-        self.capacity = engine.manifest["shapes"]["total_sequence"]["max"]
+        self.capacity = engine.manifest.shapes.total_sequence.max
         self.slots = slots
         self.names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         shapes = {i.name: i.shape for i in session.get_inputs()}
@@ -68,7 +68,7 @@ class KVSlots:
         for n in self.names:
             self.buffers[n], self._mappings[n] = _zeros((slots, shapes[n][1], self.allocated, shapes[n][3]), self.dtype)
         self.length = np.zeros(slots, np.int64)  # tokens cached per slot
-        self.vocab = engine.manifest["model"]["architecture"]["vocab_size"]  # the logits' last axis
+        self.vocab = engine.manifest.model.architecture.vocab_size  # the logits' last axis
         # IOBinding per slot range with the buffers bound as past and present: binding 4 tensors per layer costs
         # about 1 ms a call in Python, so a decode step rebinds only its small inputs and the logits.
         self._bindings: dict[tuple[int, int], object] = {}

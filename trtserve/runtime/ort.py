@@ -24,19 +24,20 @@ class OrtBackend:
 
         self.engine = engine
         self.inputs, self.outputs = io_specs(engine.manifest)
-        self.ranges = engine.manifest["shapes"]
-        entry = engine.manifest.get("backend", {})
+        self.ranges = engine.manifest.shapes
+        entry = engine.manifest.backend
         graph_override = graph is not None
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or available_cores()
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
-        same_build = (entry.get("onnxruntime_version"), entry.get("machine")) == (ort.__version__, platform.machine())
+        same_build = entry is not None and (entry.onnxruntime_version, entry.machine) == (ort.__version__,
+                                                                                          platform.machine())
         if graph is not None:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        elif entry.get("name") == "onnxruntime" and same_build:
+        elif same_build and entry.name == "onnxruntime":
             # Already optimized at build time by this ORT version: skip the work at load.
-            graph = engine.file(entry.get("graph", "model.onnx"))
+            graph = engine.file(entry.graph)
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         else:
             # ORT's offline-optimized graphs are tied to the version and CPU that wrote them; the
@@ -44,10 +45,10 @@ class OrtBackend:
             log.warning(
                 "engine %s was optimized by onnxruntime %s on %s, this is %s on %s: optimizing the portable "
                 "graph at load (rebuild with `%s` to skip this)",
-                engine.path, entry.get("onnxruntime_version"), entry.get("machine"), ort.__version__,
+                engine.path, entry and entry.onnxruntime_version, entry and entry.machine, ort.__version__,
                 platform.machine(), engine.rebuild,
             )
-            graph = engine.file(engine.manifest["onnx"]["file"])
+            graph = engine.file(engine.manifest.onnx.file)
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.threads = options.intra_op_num_threads
         self._load = lambda: ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])

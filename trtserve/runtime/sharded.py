@@ -52,10 +52,10 @@ class EngineShards:
         from trtserve.engine_dir import open_engine_dir
 
         manifest = open_engine_dir(self.path).manifest
-        if "parallel_tracks" not in manifest:
+        if manifest.parallel_tracks is None:
             raise TrtServeError(f"{self.path} is not a track-sharded engine: build one from a parallel-track "
                                 "checkpoint with `trtserve build-engine CHECKPOINT --out DIR`")
-        check_track_split(manifest["parallel_tracks"]["tracks"], world)
+        check_track_split(manifest.parallel_tracks.tracks, world)
 
     def device(self, rank: int) -> str:
         return "cpu"
@@ -72,7 +72,7 @@ class _EngineShard:
         from trtserve.runtime.track_engines import TrackEngines
 
         engine = open_engine_dir(path)
-        tracks = engine.manifest["parallel_tracks"]["tracks"]
+        tracks = engine.manifest.parallel_tracks.tracks
         per = tracks // world
         self.engines = TrackEngines(engine.path, engine.manifest, range(rank * per, (rank + 1) * per), threads)
         self.world = world

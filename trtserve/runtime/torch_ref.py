@@ -26,8 +26,8 @@ class TorchBackend:
         torch.set_num_threads(threads or available_cores())
         self.engine = engine
         self.inputs, self.outputs = io_specs(engine.manifest)
-        self.ranges = engine.manifest["shapes"]
-        source = resolve(engine.manifest["model"]["source"])
+        self.ranges = engine.manifest.shapes
+        source = resolve(engine.manifest.model.source)
         model = load_torch_model(source)
         self.module = decoder_graph(model) if source.info.kind == "decoder" else encoder_graph(model)
         self._torch = torch

@@ -10,15 +10,18 @@ import numpy as np
 
 
 class TrackEngines:
-    def __init__(self, directory: Path, manifest: dict, tracks, threads: int | None = 1):
+    def __init__(self, directory: Path, manifest, tracks, threads: int | None = 1):
+        """`manifest`: the engine's (typed, or the dict a build is composing)."""
         import onnxruntime as ort
 
-        pt = manifest["parallel_tracks"]
+        from trtserve.engine_dir import as_manifest
+
+        manifest = as_manifest(manifest)
+        pt = manifest.parallel_tracks
         self.tracks = list(tracks)
-        self.segments = pt["segments"]
-        self.kv_heads = pt["kv_heads_per_track"]
-        arch = manifest["model"]["architecture"]
-        self.head_dim = arch["head_dim"]
+        self.segments = pt.segments
+        self.kv_heads = pt.kv_heads_per_track
+        self.head_dim = manifest.model.architecture.head_dim
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if threads:
@@ -26,11 +29,11 @@ class TrackEngines:
             options.inter_op_num_threads = 1
 
         def session(name):
-            graph = pt["graphs"][name]["graph"]
+            graph = pt.graphs[name].graph
             return ort.InferenceSession(str(Path(directory) / graph), options, providers=["CPUExecutionProvider"])
 
-        self.embed, self.head = session(pt["embed"]), session(pt["head"])
-        self.sessions = {(t, j): session(pt["segment_graphs"][t][j]) for t in self.tracks for j in range(self.segments)}
+        self.embed, self.head = session(pt.embed), session(pt.head)
+        self.sessions = {(t, j): session(pt.segment_graphs[t][j]) for t in self.tracks for j in range(self.segments)}
         # per segment graph: its past inputs and present outputs, as cache keys ("key.3", "value.3")
         self.io = {k: ([i.name for i in s.get_inputs()][1:], [o.name for o in s.get_outputs()][1:])
                    for k, s in self.sessions.items()}

@@ -30,7 +30,7 @@ class TrtBackend:
         from trtserve.runtime.devices import cuda_device_info
         from trtserve.runtime.trt_lib import load_tensorrt, logger
 
-        entry = engine.manifest.get("tensorrt")
+        entry = engine.manifest.tensorrt
         if not entry:
             raise EngineDirError(f"{engine.path} has no TensorRT plan: rebuild it with `{engine.rebuild} "
                                  "--backend tensorrt`, or serve it with ONNX Runtime")
@@ -38,12 +38,12 @@ class TrtBackend:
         check_loadable(entry, flavour, trt.__version__, cuda_device_info(), engine.rebuild)
         self.engine, self.entry, self.torch = engine, entry, torch
         self.inputs, self.outputs = io_specs(engine.manifest)
-        self.ranges = engine.manifest["shapes"]
-        self.profiles = entry["profiles"]
+        self.ranges = engine.manifest.shapes
+        self.profiles = entry.profiles
         self.device = torch.device("cuda", device)
         self._log = logger(trt)
         self.runtime = trt.Runtime(self._log)
-        self.plan = self.runtime.deserialize_cuda_engine(engine.file(entry["plan"]).read_bytes())
+        self.plan = self.runtime.deserialize_cuda_engine(engine.file(entry.plan).read_bytes())
         if self.plan is None:
             raise EngineDirError(f"TensorRT refused the plan in {engine.path}: "
                                  + ("; ".join(self._log.errors()[:3]) or "no error was logged"))
@@ -53,7 +53,7 @@ class TrtBackend:
             context = self.plan.create_execution_context()
             context.set_optimization_profile_async(index, self.stream.cuda_stream)
             self.contexts.append(context)
-        sizes = buffer_plan(engine.manifest["io"], self.profiles)
+        sizes = buffer_plan(engine.manifest.io, self.profiles)
         self.device_buffers = {name: torch.empty(max(n, 1), dtype=getattr(torch, TORCH_DTYPE[dtype]), device=self.device)
                                for name, (dtype, n) in sizes.items()}
         self.host_buffers = {name: torch.empty(max(n, 1), dtype=getattr(torch, TORCH_DTYPE[dtype]), pin_memory=True)

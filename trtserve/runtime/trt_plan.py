@@ -11,22 +11,22 @@ from trtserve.runtime.devices import RTX_COMPUTE_CAPABILITIES
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
-def refuse_reason(entry: dict, flavour: str | None, version: str | None, devices: list[dict],
+def refuse_reason(entry, flavour: str | None, version: str | None, devices: list[dict],
                   rebuild: str) -> str | None:
-    """Why this plan must not be handed to TensorRT here (None: it may be). Checked before
-    deserialization, because TensorRT's own refusal is an opaque error or a crash."""
+    """Why this plan (the manifest's `tensorrt` entry) must not be handed to TensorRT here (None: it may
+    be). Checked before deserialization, because TensorRT's own refusal is an opaque error or a crash."""
     again = f"rebuild it here with `{rebuild} --backend tensorrt`, or serve the ONNX Runtime graph"
     if flavour is None:
         return f"TensorRT is not installed: {again}"
-    if flavour != entry["flavour"]:
-        return f"the plan was built with {entry['flavour']}, this machine has {flavour}: {again}"
-    if version != entry["version"]:
-        newer = _version_tuple(version) > _version_tuple(entry["version"])
-        if not (entry.get("version_compatible") and newer):
-            return f"the plan was built with {entry['flavour']} {entry['version']}, this machine has {version}: {again}"
+    if flavour != entry.flavour:
+        return f"the plan was built with {entry.flavour}, this machine has {flavour}: {again}"
+    if version != entry.version:
+        newer = _version_tuple(version) > _version_tuple(entry.version)
+        if not (entry.version_compatible and newer):
+            return f"the plan was built with {entry.flavour} {entry.version}, this machine has {version}: {again}"
     if not devices:
         return f"a TensorRT plan needs a GPU and this machine has none: {again}"
-    target = entry["compute_capability"]
+    target = entry.compute_capability
     have = [d["compute_capability"] for d in devices]
     if target.startswith("portable"):
         allowed = RTX_COMPUTE_CAPABILITIES
@@ -42,7 +42,7 @@ def refuse_reason(entry: dict, flavour: str | None, version: str | None, devices
     return None
 
 
-def check_loadable(entry: dict, flavour: str | None, version: str | None, devices: list[dict], rebuild: str) -> None:
+def check_loadable(entry, flavour: str | None, version: str | None, devices: list[dict], rebuild: str) -> None:
     reason = refuse_reason(entry, flavour, version, devices, rebuild)
     if reason:
         raise EngineDirError(reason)
@@ -52,34 +52,32 @@ def _version_tuple(version: str | None) -> tuple[int, ...]:
     return tuple(int(p) for p in (version or "0").split(".") if p.isdigit())
 
 
-def select_profile(profiles: list[dict], bound: dict[str, int]) -> int:
+def select_profile(profiles: list, bound: dict[str, int]) -> int:
     """The profile for a batch whose named axes are `bound`: single-token steps with a past go to
     the decode profile, everything else to the first profile whose ranges hold every axis."""
     order = list(range(len(profiles)))
     if bound.get("sequence") == 1 and bound.get("past_sequence", 0) > 0:
-        order.sort(key=lambda i: profiles[i]["name"] != "decode")
+        order.sort(key=lambda i: profiles[i].name != "decode")
     for i in order:
-        ranges = profiles[i]["ranges"]
-        if all(ranges[axis]["min"] <= size <= ranges[axis]["max"] for axis, size in bound.items() if axis in ranges):
+        ranges = profiles[i].ranges
+        if all(ranges[axis].min <= size <= ranges[axis].max for axis, size in bound.items() if axis in ranges):
             return i
     raise InputError(f"no optimization profile of this plan holds {bound}: "
-                     + "; ".join(f"{p['name']}: {p['ranges']}" for p in profiles))
+                     + "; ".join(f"{p.name}: { {a: r.model_dump() for a, r in p.ranges.items()} }" for p in profiles))
 
 
-def buffer_elements(shape: list | tuple, profiles: list[dict]) -> int:
+def buffer_elements(shape: list | tuple, profiles: list) -> int:
     """Elements of the largest tensor of this (symbolic) shape under any profile."""
     largest = 0
     for profile in profiles:
-        ranges = profile["ranges"]
-        largest = max(largest, math.prod(d if isinstance(d, int) else ranges[d]["max"] for d in shape))
+        largest = max(largest, math.prod(d if isinstance(d, int) else profile.ranges[d].max for d in shape))
     return largest
 
 
-def buffer_plan(io: dict, profiles: list[dict]) -> dict[str, tuple[str, int]]:
-    """{tensor name: (dtype, elements)} for one device buffer per input and output, sized so that
-    every shape any profile admits fits; the contexts share them (one batch runs at a time)."""
-    return {spec["name"]: (spec["dtype"], buffer_elements(spec["shape"], profiles))
-            for spec in (*io["inputs"], *io["outputs"])}
+def buffer_plan(io, profiles: list) -> dict[str, tuple[str, int]]:
+    """{tensor name: (dtype, elements)} for one device buffer per input and output (the manifest's io),
+    sized so that every shape any profile admits fits; the contexts share them (one batch runs at a time)."""
+    return {spec.name: (spec.dtype, buffer_elements(spec.shape, profiles)) for spec in (*io.inputs, *io.outputs)}
 
 
 def buffer_bytes(plan: dict[str, tuple[str, int]]) -> int:

@@ -24,11 +24,11 @@ class EmbeddingService(Service):
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files
-        architecture = self.manifest["model"]["architecture"]
-        self.dim, self.vocab = architecture["hidden_size"], architecture["vocab_size"]
-        self.max_seq = self.manifest["shapes"]["sequence"]["max"]
+        architecture = self.manifest.model.architecture
+        self.dim, self.vocab = architecture.hidden_size, architecture.vocab_size
+        self.max_seq = self.manifest.shapes.sequence.max
         self.pool = self.worker_pool()
-        engine_max = self.manifest["shapes"]["batch"]["max"]
+        engine_max = self.manifest.shapes.batch.max
         self.batcher = DynamicBatcher(self.pool.run, min(cfg.max_batch, engine_max), cfg.max_wait_ms, cfg.max_queue,
                                       max_tokens=max(cfg.max_batch_tokens, self.max_seq),
                                       concurrency=len(self.pool.workers), metrics=metrics)

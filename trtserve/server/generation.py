@@ -241,8 +241,8 @@ class GenerationService(DecoderService):
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files
-        self.max_seq = self.manifest["shapes"]["total_sequence"]["max"]
-        self.vocab = self.manifest["model"]["architecture"]["vocab_size"]
+        self.max_seq = self.manifest.shapes.total_sequence.max
+        self.vocab = self.manifest.model.architecture.vocab_size
         options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq),
                    "max_prefill_tokens": cfg.max_prefill_tokens or None, "prefix_cache_mib": cfg.prefix_cache_mib}
         self.pool = self.worker_pool(generation=options)

@@ -157,17 +157,17 @@ def register(app, state: dict, cfg, metrics) -> None:
 
 
 def metadata(name: str, service) -> dict:
-    backend = service.manifest.get("backend", {}).get("name")  # track-sharded engines have none of their own
-    platform = "tensorrt_plan" if backend == "tensorrt" else "onnxruntime_onnx"
+    backend = service.manifest.backend  # track-sharded engines have none of their own
+    platform = "tensorrt_plan" if backend and backend.name == "tensorrt" else "onnxruntime_onnx"
 
     def described(tensors):
-        return [{"name": t["name"], "datatype": V2_NAMES.get(t["dtype"], t["dtype"].upper()),
-                 "shape": [d if isinstance(d, int) else -1 for d in t["shape"]]} for t in tensors]
+        return [{"name": t.name, "datatype": V2_NAMES.get(t.dtype, t.dtype.upper()),
+                 "shape": [d if isinstance(d, int) else -1 for d in t.shape]} for t in tensors]
 
     if service.kind == "encoder":
-        io = service.manifest["io"]
+        io = service.manifest.io
         return {"name": name, "versions": [VERSION], "platform": platform,
-                "inputs": described(io["inputs"]), "outputs": described(io["outputs"])}
+                "inputs": described(io.inputs), "outputs": described(io.outputs)}
     return {"name": name, "versions": [VERSION], "platform": platform, "inputs": [], "outputs": [],
             "parameters": {"kind": service.kind, "note": "generation is served on /v1/completions and "
                            "/v1/chat/completions; infer is refused"}}

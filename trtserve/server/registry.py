@@ -25,7 +25,7 @@ def plan(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None)
         raise TrtServeError("--served-model-name names one engine; with several, name each as NAME=DIR")
     named: dict[str, ServerConfig] = {}
     for name, path in engines:
-        name = name or cfg.served_model_name or open_engine_dir(path, verify=False).manifest["model"]["id"]
+        name = name or cfg.served_model_name or open_engine_dir(path, verify=False).manifest.model.id
         if name in named:
             raise TrtServeError(f"two engines would be served as `{name}` ({named[name].engine_dir} and {path}): "
                                 "give each its own name as NAME=DIR")
@@ -96,7 +96,7 @@ def make_service(cfg: ServerConfig, metrics):
 
     manifest = open_engine_dir(cfg.engine_dir, verify=False).manifest
     check_tracks_option(cfg.engine_dir, manifest, cfg.tracks)
-    kind = manifest["model"]["kind"]
+    kind = manifest.model.kind
     if kind == "parallel_track":
         return TrackGenerationService(cfg, metrics)
     if kind == "decoder":

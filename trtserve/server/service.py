@@ -29,7 +29,7 @@ class Service:
         self.manifest = self.engine.manifest
         self.tokenizer = load_tokenizer(self.engine.path)
         self.special = SpecialTokens.of(self.engine.path, self.tokenizer)
-        self.model_id = cfg.served_model_name or self.manifest["model"]["id"]
+        self.model_id = cfg.served_model_name or self.manifest.model.id
         self.created = int(time.time())
 
     def worker_pool(self, generation: dict | None = None):

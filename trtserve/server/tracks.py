@@ -29,15 +29,15 @@ from trtserve.server.generation import DecoderService, Job, Submission
 log = logging.getLogger("trtserve.server")
 
 
-def check_tracks_option(engine_dir, manifest: dict, tracks: int | None) -> None:
+def check_tracks_option(engine_dir, manifest, tracks: int | None) -> None:
     """`--tracks N` is for track-sharded engines only, and N must divide their tracks."""
     if tracks is None:
         return
-    if "parallel_tracks" not in manifest:
+    if manifest.parallel_tracks is None:
         raise TrtServeError(f"--tracks is for track-sharded engines (built from a parallel-track checkpoint); "
-                            f"{engine_dir} is not one (its model kind is {manifest['model']['kind']}): "
+                            f"{engine_dir} is not one (its model kind is {manifest.model.kind}): "
                             "leave --tracks out")
-    check_track_split(manifest["parallel_tracks"]["tracks"], tracks)
+    check_track_split(manifest.parallel_tracks.tracks, tracks)
 
 
 class TrackGenerationService(DecoderService):
@@ -47,9 +47,8 @@ class TrackGenerationService(DecoderService):
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics, verify=True)  # a bad engine is refused here, before any rank starts
-        pt = self.manifest["parallel_tracks"]
-        self.tracks = cfg.tracks or pt["tracks"]
-        self.max_seq = self.manifest["model"]["architecture"]["max_positions"]
+        self.tracks = cfg.tracks or self.manifest.parallel_tracks.tracks
+        self.max_seq = self.manifest.model.architecture.max_positions
         self.vocab = self.tokenizer.get_vocab_size()
         compact = np.array(json.loads((self.engine.path / "vocab.json").read_text()), dtype=np.int64)
         self.to_tokenizer = compact
@@ -64,7 +63,7 @@ class TrackGenerationService(DecoderService):
         self.last_ok = 0.0
         self._restarting: asyncio.Task | None = None
         log.info("tracks: %d engine tracks over %d worker process(es), %d all-reduce(s) per forward",
-                 pt["tracks"], self.tracks, pt["sync"]["per_forward"])
+                 self.manifest.parallel_tracks.tracks, self.tracks, self.manifest.parallel_tracks.sync.per_forward)
 
     def _start_decoder(self):
         from trtserve.runtime.sharded import EngineShards, ShardedDecoder
