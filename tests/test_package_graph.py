@@ -74,6 +74,39 @@ def _cycle(graph) -> list[str] | None:
     return None
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, dict[str, str]]:
+    """module -> imported trtserve module -> where ("file:line"), function-level imports included;
+    `from package import name` counts as importing the module `package.name` where there is one."""
+    files = {_module_name(path): path for path in ROOT.rglob("*.py")}
+    graph: dict[str, dict[str, str]] = defaultdict(dict)
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files else node.module
+                         for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name in files and name != module:
+                    graph[module].setdefault(name, f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    graph = module_graph()
+    assert "trtserve.server.http" in graph["trtserve.server.kserve"]  # read from the source, imports in functions too
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle) + ": " + "; ".join(
+        f"{a} -> {b} at {graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
+
+
 def test_the_graph_is_read_from_every_import():
     graph = package_graph()
     # function-level imports count: the server opens engines through engine_dir inside functions

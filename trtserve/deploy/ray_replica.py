@@ -26,9 +26,9 @@ class TrtServeReplica:
 
     async def check_health(self) -> None:
         """Ray restarts a replica whose check raises: here, when its backend stopped answering."""
-        from trtserve.server.app import PROBE_EVERY
+        from trtserve.server.http import PROBE_EVERY
 
         app = self._trtserve_app
-        registry = app.state.trtserve.get("registry") if app is not None else None
+        registry = app.state.serving.registry if app is not None else None
         if registry is not None and not registry.healthy(3 * PROBE_EVERY):
             raise RuntimeError("the backend has not answered a probe recently")

@@ -1,71 +1,47 @@
-"""FastAPI application: thin routes over the engines' services (server/registry.py), OpenAI-shaped errors,
-auth, metrics; the KServe v2 routes are in server/kserve.py."""
+"""FastAPI application: the server's state, its lifespan (engines started and probed), OpenAI-shaped
+errors, and the Guard middleware (API key, body limit, request metrics). The routes are module-level
+routers: server/openai_routes.py (OpenAI, /health, /metrics), kserve.py (KServe v2), tokens.py."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
 
-from starlette.requests import Request
-
 from trtserve.server.config import ServerConfig
-from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized, Unavailable
-from trtserve.server.kserve import OPEN as KSERVE_OPEN
-from trtserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    ErrorBody,
-    ErrorResponse,
-)
+from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized
+from trtserve.server.http import OPEN_PATHS, PROBE_EVERY, Serving, error_response, key_matches
 
 log = logging.getLogger("trtserve.server")
-OPEN_PATHS = {"/health", "/metrics"}  # and KServe v2's health probes
-PROBE_EVERY = 5.0
-
-
-def error_response(exc: ServingError, path: str = ""):
-    """OpenAI's error shape; the KServe v2 protocol's on its routes."""
-    from fastapi.responses import JSONResponse
-
-    from trtserve.server.kserve import error, is_v2
-
-    if is_v2(path):
-        return error(exc)
-    body = ErrorResponse(error=ErrorBody(message=exc.message, type=exc.type, param=exc.param, code=exc.code))
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse(body.model_dump(), status_code=exc.status, headers=headers)
 
 
 def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None):
     """The server for `engines`, (model name or None, engine dir) each; by default cfg.engine_dir."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import Response
     from starlette.exceptions import HTTPException
 
+    from trtserve.server import kserve, openai_routes, tokens
     from trtserve.server.metrics import Metrics
     from trtserve.server.registry import Registry, plan
 
     metrics = Metrics()
     configs = plan(cfg, engines)  # a clash of names is an error here, before anything loads
-    state = {}
+    state = Serving(cfg, metrics)
 
     @asynccontextmanager
     async def lifespan(app):
         registry = Registry(configs, metrics)
         await registry.start()
-        state["registry"] = registry
+        state.registry = registry
         prober = asyncio.create_task(_probe_forever(registry))
         yield
         prober.cancel()
         await registry.stop()
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
-    app.state.trtserve = state  # the running engines, for hosts that embed the app (Ray Serve replicas)
+    app.state.serving = state  # the routes' state, and the running engines for hosts that embed the app (Ray)
     app.add_middleware(Guard, cfg=cfg, metrics=metrics, routes=lambda: app.routes)
 
     @app.exception_handler(ServingError)
@@ -85,59 +61,8 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
     async def http_error(request, exc: HTTPException):
         return error_response(ServingError(str(exc.detail), status=exc.status_code), request.url.path)
 
-    @app.get("/v1/models")
-    async def models():
-        return state["registry"].models()
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: EmbeddingRequest, raw: Request):
-        if request.model_extra:
-            log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-        service = state["registry"].get(request.model)
-        if service.kind == "decoder":
-            raise BadRequest(f"`{service.model_id}` is a decoder engine: it serves /v1/completions and "
-                             "/v1/chat/completions; embeddings need an encoder", param="model")
-        return await _unless_disconnected(raw, service.embed(request), metrics)
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw: Request):
-        service = _generator(state["registry"], request)
-        jobs = await service.completion_jobs(request)
-        return await _answer(raw, service, jobs, request, chat=False, cfg=cfg, metrics=metrics)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw: Request):
-        service = _generator(state["registry"], request)
-        jobs = await service.chat_jobs(request)
-        return await _answer(raw, service, jobs, request, chat=True, cfg=cfg, metrics=metrics)
-
-    @app.get("/health")
-    async def health(raw: Request):
-        registry = state.get("registry")
-        if registry is None:
-            return error_response(Unavailable("the server is starting"))
-        down = registry.unhealthy(3 * PROBE_EVERY)
-        if down:
-            named = len(registry) > 1
-            return error_response(Unavailable("; ".join(f"`{n}`: {why}" if named else why for n, why in down.items())))
-        operator = key_matches(cfg, raw.headers.get("authorization", ""))  # pids and load are for the operator only
-        detail = {name: {"kind": s.kind, "ready": True, **({"workers": s.workers()} if operator else {})}
-                  for name, s in registry.services.items()}
-        body = {"status": "ok", "models": detail}
-        if len(detail) == 1:  # one engine: its name and workers at the top, as before several were served
-            (name, only), = detail.items()
-            body.update({"model": name, **({"workers": only["workers"]} if operator else {})})
-        return body
-
-    @app.get("/metrics")
-    async def prometheus():
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
-
-    from trtserve.server import kserve, tokens
-
-    kserve.register(app, state, cfg, metrics)
-    tokens.register(app, state)
+    for router in (openai_routes.router, kserve.router, tokens.router):
+        app.include_router(router)
     return app
 
 
@@ -157,57 +82,6 @@ def _explain(errors: list[dict]) -> tuple[str | None, str]:
     chosen = specific[:1] or best
     where = ".".join(str(p) for p in path(chosen[0])) or None
     return where, " or ".join(dict.fromkeys(str(e.get("msg", "invalid")) for e in chosen))
-
-
-def _generator(registry, request):
-    if request.model_extra:
-        log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
-    service = registry.get(request.model)
-    if getattr(service, "kind", "encoder") != "decoder":
-        raise BadRequest(f"`{service.model_id}` is an encoder engine: it serves /v1/embeddings, not generation",
-                         param="model")
-    return service
-
-
-async def _answer(raw, service, jobs, request, chat: bool, cfg: ServerConfig, metrics):
-    from trtserve.server.completions import Deadline, SequenceStream, complete, stream
-
-    deadline = Deadline(cfg.request_timeout)
-    submission = service.submit(jobs)  # 429 / 503 here, as real statuses, before any byte is sent
-    if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        # Starlette cancels this generator when the client disconnects; the response closes the sequences
-        return SequenceStream(stream(service, jobs, submission, chat, request.model, include_usage, deadline),
-                              submission)
-    try:
-        return await _unless_disconnected(raw, complete(service, jobs, submission, chat, request.model, deadline),
-                                          metrics)
-    finally:
-        submission.close()
-
-
-async def _unless_disconnected(raw, work, metrics):
-    """Await `work` unless the client disconnects first; then cancel it, which drops its queued rows."""
-    from fastapi.responses import Response
-
-    work = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(raw))
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    await asyncio.gather(work, return_exceptions=True)
-    metrics.disconnects.inc()
-    log.info("client disconnected; its queued work was dropped")
-    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-
-
-async def _disconnected(raw) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 class Guard:
@@ -252,7 +126,7 @@ class Guard:
 
     def _reject(self, scope) -> ServingError | None:
         headers = dict(scope["headers"])
-        if scope["path"] not in OPEN_PATHS and scope["path"] not in KSERVE_OPEN:
+        if scope["path"] not in OPEN_PATHS:
             if not key_matches(self.cfg, headers.get(b"authorization", b"").decode("latin-1")):
                 return Unauthorized("invalid or missing API key: send `Authorization: Bearer <key>`",
                                     code="invalid_api_key")
@@ -272,13 +146,6 @@ class Guard:
             return message
 
         return counted
-
-
-def key_matches(cfg: ServerConfig, authorization: str) -> bool:
-    """True when no API key is set, or the Authorization header carries it."""
-    if not cfg.api_key:
-        return True
-    return hmac.compare_digest(authorization.encode("latin-1", "replace"), f"Bearer {cfg.api_key}".encode())
 
 
 class _TooLarge(BaseException):

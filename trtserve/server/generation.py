@@ -309,12 +309,6 @@ class GenerationService(DecoderService):
         return sum(getattr(w.channel, state) for w in self.pool.workers if w.channel is not None and w.ready)
 
 
-def _text(content) -> str:
-    if content is None:
-        return ""
-    return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
 def _first_stop(text: str, stops: list[str], sent: int) -> int | None:
     """Index of the earliest stop string in `text` (searching from where it could first appear)."""
     hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]

@@ -17,15 +17,18 @@ import re
 import zlib
 
 import numpy as np
+from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from trtserve.server.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError
+from trtserve import __version__
+from trtserve.server.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, Unavailable
+from trtserve.server.http import PROBE_EVERY, V2_PREFIX, serving, unless_disconnected, v2_error
 
-PREFIX = "/v2"
+PREFIX = V2_PREFIX
 VERSION = "1"
 HEADER_LENGTH = "inference-header-content-length"
-OPEN = {"/v2/health/live", "/v2/health/ready"}  # probes, open like /health
 MAX_OUTPUT_BYTES = 64 * 1024 * 1024  # the tensors one answer may carry as binary data
 MAX_JSON_OUTPUT_BYTES = 4 * 1024 * 1024  # ... and as JSON numbers (about 5x as much text)
 DATATYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
@@ -61,99 +64,84 @@ class InferRequest(BaseModel):
     parameters: dict | None = None
 
 
-def error(exc: ServingError):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse({"error": exc.message}, status_code=exc.status)
+router = APIRouter()
 
 
-def is_v2(path: str) -> bool:
-    return path == PREFIX or path.startswith(PREFIX + "/")
+def _engine(raw: Request, name: str, version: str | None = None):
+    registry = serving(raw).engines()
+    service = registry.services.get(name)
+    if service is None:
+        raise ModelNotFound(f"model `{name}` is not served here; this server serves {registry.names()}")
+    if version is not None and version != VERSION:
+        raise ModelNotFound(f"model `{name}` has version {VERSION} only, not {version!r}")
+    return service
 
 
-def register(app, state: dict, cfg, metrics) -> None:
-    """Add the v2 routes to `app`; `state["registry"]` holds the engines once the server has started."""
-    from fastapi.responses import Response
+def _v2(handler):
+    """The handler with errors in the protocol's shape ({"error": message})."""
+    @functools.wraps(handler)
+    async def wrapped(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except ServingError as exc:
+            return v2_error(exc)
+    return wrapped
 
-    from trtserve import __version__
-    from trtserve.server.app import _unless_disconnected
-    from trtserve.server.errors import Unavailable
 
-    def engine(name: str, version: str | None = None):
-        registry = state.get("registry")
-        if registry is None:
-            raise Unavailable("the server is starting")
-        service = registry.services.get(name)
-        if service is None:
-            raise ModelNotFound(f"model `{name}` is not served here; this server serves {registry.names()}")
-        if version is not None and version != VERSION:
-            raise ModelNotFound(f"model `{name}` has version {VERSION} only, not {version!r}")
-        return service
+@router.get("/v2/health/live")
+async def live():
+    return {"live": True}
 
-    def v2(handler):
-        @functools.wraps(handler)
-        async def wrapped(*args, **kwargs):
-            try:
-                return await handler(*args, **kwargs)
-            except ServingError as exc:
-                return error(exc)
-        return wrapped
 
-    @app.get("/v2/health/live")
-    async def live():
-        return {"live": True}
+@router.get("/v2/health/ready")
+@_v2
+async def ready(raw: Request):
+    down = serving(raw).engines().unhealthy(3 * PROBE_EVERY)
+    if down:
+        raise Unavailable("; ".join(f"`{n}`: {why}" for n, why in down.items()))
+    return {"ready": True}
 
-    @app.get("/v2/health/ready")
-    @v2
-    async def ready():
-        registry = state.get("registry")
-        if registry is None:
-            raise Unavailable("the server is starting")
-        from trtserve.server.app import PROBE_EVERY
 
-        down = registry.unhealthy(3 * PROBE_EVERY)
-        if down:
-            raise Unavailable("; ".join(f"`{n}`: {why}" for n, why in down.items()))
-        return {"ready": True}
+@router.get("/v2")
+async def server_metadata():
+    return {"name": "trtserve", "version": __version__, "extensions": ["binary_tensor_data"]}
 
-    @app.get("/v2")
-    async def server_metadata():
-        return {"name": "trtserve", "version": __version__, "extensions": ["binary_tensor_data"]}
 
-    async def model_metadata(name: str, version: str | None = None):
-        return metadata(name, engine(name, version))
+async def model_metadata(name: str, raw: Request, version: str | None = None):
+    return metadata(name, _engine(raw, name, version))
 
-    async def model_ready(name: str, version: str | None = None):
-        from trtserve.server.app import PROBE_EVERY
 
-        service = engine(name, version)
-        if not service.healthy(3 * PROBE_EVERY):
-            raise Unavailable(f"model `{name}` is not ready: a worker is restarting or has not answered a probe")
-        return {"name": name, "ready": True}
+async def model_ready(name: str, raw: Request, version: str | None = None):
+    service = _engine(raw, name, version)
+    if not service.healthy(3 * PROBE_EVERY):
+        raise Unavailable(f"model `{name}` is not ready: a worker is restarting or has not answered a probe")
+    return {"name": name, "ready": True}
 
-    async def infer(name: str, raw: Request, version: str | None = None):
-        service = engine(name, version)
-        body = _decoded(await raw.body(), raw.headers.get("content-encoding", ""), cfg.max_body_bytes)
-        request, tensors = parse(body, raw.headers.get(HEADER_LENGTH))
-        if service.kind != "encoder":
-            raise BadRequest(f"model `{name}` is a decoder engine: it generates text on /v1/completions and "
-                             "/v1/chat/completions, and does not serve KServe v2 `infer`")
-        wanted = requested_outputs(request)
-        answer = await _unless_disconnected(raw, encoder_infer(service, tensors, wanted), metrics)
-        if isinstance(answer, Response):  # the client went away
-            return answer
-        header, blobs = await asyncio.to_thread(_rendered, name, request.id, answer, wanted)  # not on the loop
-        if not blobs:
-            return Response(header, media_type="application/json")
-        return Response(header + b"".join(blobs), media_type="application/octet-stream",
-                        headers={"Inference-Header-Content-Length": str(len(header))})
 
-    for path, handler, method in ((PREFIX + "/models/{name}", model_metadata, "GET"),
-                                  (PREFIX + "/models/{name}/ready", model_ready, "GET"),
-                                  (PREFIX + "/models/{name}/infer", infer, "POST")):
-        versioned = path.replace("{name}", "{name}/versions/{version}")
-        for route in (path, versioned):
-            app.add_api_route(route, v2(handler), methods=[method], include_in_schema=route == path)
+async def infer(name: str, raw: Request, version: str | None = None):
+    state = serving(raw)
+    service = _engine(raw, name, version)
+    body = _decoded(await raw.body(), raw.headers.get("content-encoding", ""), state.cfg.max_body_bytes)
+    request, tensors = parse(body, raw.headers.get(HEADER_LENGTH))
+    if service.kind != "encoder":
+        raise BadRequest(f"model `{name}` is a decoder engine: it generates text on /v1/completions and "
+                         "/v1/chat/completions, and does not serve KServe v2 `infer`")
+    wanted = requested_outputs(request)
+    answer = await unless_disconnected(raw, encoder_infer(service, tensors, wanted), state.metrics)
+    if isinstance(answer, Response):  # the client went away
+        return answer
+    header, blobs = await asyncio.to_thread(_rendered, name, request.id, answer, wanted)  # not on the loop
+    if not blobs:
+        return Response(header, media_type="application/json")
+    return Response(header + b"".join(blobs), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+for _path, _handler, _method in ((PREFIX + "/models/{name}", model_metadata, "GET"),
+                                 (PREFIX + "/models/{name}/ready", model_ready, "GET"),
+                                 (PREFIX + "/models/{name}/infer", infer, "POST")):
+    for _route in (_path, _path.replace("{name}", "{name}/versions/{version}")):
+        router.add_api_route(_route, _v2(_handler), methods=[_method], include_in_schema=_route == _path)
 
 
 def metadata(name: str, service) -> dict:

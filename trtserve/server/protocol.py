@@ -131,6 +131,13 @@ class ChatMessage(_Request):
     name: Text | None = None
 
 
+def content_text(content: str | list[ContentPart] | None) -> str:
+    """A chat message's content as one text (its text parts joined)."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import asyncio
 
+from fastapi import APIRouter
+from starlette.requests import Request
+
 from trtserve.server.errors import BadRequest
+from trtserve.server.http import serving
 from trtserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    content_text,
 )
+
+router = APIRouter()
 
 
 def pick(registry, model: str | None):
@@ -35,8 +42,6 @@ def tokenize(service, request: TokenizeCompletionRequest | TokenizeChatRequest) 
 
 
 def _rendered(service, request: TokenizeChatRequest) -> str:
-    from trtserve.server.generation import _text
-
     chat = getattr(service, "chat", None)
     if chat is None:
         raise BadRequest(f"`{service.model_id}` has no chat template: tokenize a `prompt` instead", param="messages")
@@ -50,7 +55,7 @@ def _rendered(service, request: TokenizeChatRequest) -> str:
                          param="continue_final_message")
     if request.continue_final_message:
         raise BadRequest("`continue_final_message` is not served yet", param="continue_final_message")
-    messages = [{"role": m.role, "content": _text(m.content)} for m in request.messages]
+    messages = [{"role": m.role, "content": content_text(m.content)} for m in request.messages]
     return chat.render(messages, add_generation_prompt=request.add_generation_prompt)
 
 
@@ -62,12 +67,12 @@ def detokenize(service, request: DetokenizeRequest) -> DetokenizeResponse:
     return DetokenizeResponse(prompt=service.tokenizer.decode(request.tokens, skip_special_tokens=False))
 
 
-def register(app, state: dict) -> None:
-    @app.post("/tokenize")
-    async def tokenize_route(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        service = pick(state["registry"], request.model)
-        return await asyncio.to_thread(tokenize, service, request)  # a 2 MB prompt must not stall the loop
+@router.post("/tokenize")
+async def tokenize_route(request: TokenizeCompletionRequest | TokenizeChatRequest, raw: Request) -> TokenizeResponse:
+    service = pick(serving(raw).engines(), request.model)
+    return await asyncio.to_thread(tokenize, service, request)  # a 2 MB prompt must not stall the loop
 
-    @app.post("/detokenize")
-    async def detokenize_route(request: DetokenizeRequest) -> DetokenizeResponse:
-        return await asyncio.to_thread(detokenize, pick(state["registry"], request.model), request)
+
+@router.post("/detokenize")
+async def detokenize_route(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    return await asyncio.to_thread(detokenize, pick(serving(raw).engines(), request.model), request)

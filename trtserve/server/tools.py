@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from trtserve.server.errors import BadRequest
+from trtserve.server.protocol import content_text
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 INSTRUCTION = ("You can call these functions. To call one, answer with nothing but a JSON object "
@@ -86,11 +87,9 @@ def grammar_spec(tool_plan: ToolPlan | None) -> tuple[str, object, str] | None:
 
 def messages_for(messages, tool_plan: ToolPlan | None, template_takes_tools: bool) -> list[dict]:
     """Chat messages as the template renders them, tool turns included."""
-    from trtserve.server.generation import _text
-
     out = []
     for i, m in enumerate(messages):
-        content = _text(m.content)
+        content = content_text(m.content)
         calls = m.tool_calls or []
         if calls and m.role != "assistant":
             raise BadRequest(f"messages[{i}] has tool_calls but its role is {m.role!r}", param=f"messages.{i}")
