@@ -115,3 +115,29 @@ def test_the_typed_manifest_writes_back_what_was_read(tmp_path):
     engine = engine_dir.open_engine_dir(path)
     assert engine.manifest.to_json() == written and engine.manifest.model.architecture.vocab_size == 16
     assert engine.manifest.fidelity is None and engine.manifest.shapes is None  # sections a build had not reached
+
+
+def _build_slowly(target: str, log: str) -> str:
+    import time
+
+    from trtserve.fileio import atomic_dir, build_once
+
+    def build():
+        with open(log, "a") as handle:
+            handle.write("built\n")
+        time.sleep(0.5)  # long enough that the other process arrives while this one builds
+        with atomic_dir(Path(target)) as tmp:
+            (tmp / "done").write_text("yes")
+        return "built"
+
+    return build_once(Path(target), lambda p: "reused" if (p / "done").is_file() else None, build)
+
+
+def test_processes_starting_together_build_once_and_the_others_reuse_it(tmp_path):
+    import multiprocessing
+
+    target, log = tmp_path / "cache" / "thing", tmp_path / "log"
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = pool.starmap(_build_slowly, [(str(target), str(log))] * 2)
+    assert sorted(results) == ["built", "reused"] and log.read_text() == "built\n"
+    assert (target / "done").read_text() == "yes"

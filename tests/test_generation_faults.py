@@ -99,6 +99,31 @@ def test_a_killed_or_stopped_worker_answers_every_live_stream_and_the_server_rec
         stop_server(proc)
 
 
+def test_a_stopped_worker_is_replaced_within_30_s_under_the_default_flags(smollm2):
+    """No --worker-timeout here (120 s by default): the silent heartbeat ends it, whatever step it was in."""
+    proc, url = start_server(smollm2)
+    try:
+        victim = httpx.get(f"{url}/health").json()["workers"][0]["pid"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream_events, url, LONG) for _ in range(4)]
+            time.sleep(3)  # the streams are running
+            hit = time.monotonic()
+            os.kill(victim, signal.SIGSTOP)
+            results = [f.result() for f in futures]
+        ended = time.monotonic() - hit
+        for status, events, _ in results:
+            assert status == 200 and events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["type"] == "service_unavailable", events[-3:]
+        serving = ended + wait_serving(url, victim, 30)
+        print(f"SIGSTOP under 4 streams, default flags: all answered {ended:.1f} s after it, serving again at "
+              f"{serving:.1f} s")
+        assert ended < 15 and serving < 30, (ended, serving)  # heartbeat timeout 10 s, then a restart
+        with pytest.raises(ProcessLookupError):
+            os.kill(victim, 0)
+    finally:
+        stop_server(proc)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's death, on purpose
 def test_the_in_process_generation_loop_is_restarted_when_it_dies(smollm2):
     from trtserve.server.config import ServerConfig

@@ -145,3 +145,33 @@ def test_runtime_and_server_never_import_the_builder():
 def test_a_cycle_is_found_and_named():
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
+
+
+PRECISION_PUBLIC = {"policy", "measure", "run", "fidelity", "probe", "probe_report", "write"}  # the rest is strategy
+
+
+def test_only_precision_imports_its_strategy_modules():
+    outside = {m: targets for m, targets in module_graph().items() if not m.startswith("trtserve.precision")}
+    wrong = [f"{m} -> {t} at {where}" for m, targets in outside.items() for t, where in targets.items()
+             if t.startswith("trtserve.precision.") and t.split(".")[2] not in PRECISION_PUBLIC]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_builder_never_branches_on_a_precision():
+    """engine_builder/ compares no value with a precision's or a weight format's name: what differs between
+    policies is precision/'s business (precision.write)."""
+    from trtserve.precision.policy import POLICIES
+
+    names = set(POLICIES) | {p.weights for p in POLICIES.values()}
+    branches = []
+    for path in sorted((ROOT / "engine_builder").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                values = [node.left, *node.comparators]
+                values += [e for v in values if isinstance(v, (ast.Tuple, ast.List, ast.Set)) for e in v.elts]
+                about = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+                         if isinstance(n, (ast.Name, ast.Attribute))}  # cfg.backend == "auto" is not a policy
+                if about & {"precision", "policy", "weights"} and any(
+                        isinstance(v, ast.Constant) and v.value in names for v in values):
+                    branches.append(f"{path.name}:{node.lineno}")
+    assert not branches, branches

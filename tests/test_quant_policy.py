@@ -167,7 +167,7 @@ def test_a_widened_choice_moves_the_next_most_sensitive_weights_one_step_and_say
     from trtserve.engine_builder.info import _graph
 
     assert "widened because the gate missed with the 0 chosen on calibration text, where that mix" in _graph(report)
-    from trtserve.engine_builder.build import _widening
+    from trtserve.precision.write import widening_counts as _widening
 
     tries = _widening(choice, "int4")  # what a plan whose full gate misses tries, in order
     assert tries[0] == 0 and tries == sorted(tries) and 4 not in tries  # all 4 safer: no int4 weight left

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from trtserve.deploy.options import PRECISIONS  # one list for build-engine and serve
+from trtserve.engine_builder import BACKENDS, PRECISIONS  # one list for build-engine and serve
 from trtserve.errors import TrtServeError
 
 
@@ -37,7 +37,7 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "such as paper, or a grid TOML file) for this model, with the token ids `trtserve eval` "
                         "feeds; if a shape misses, auto searches again and int8/int4 keep more of their most sensitive "
                         "weights safer")
-    parser.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="engine backend; auto says which it picked and why (tensorrt where TensorRT and a "
                         "GPU are found). tensorrt adds a TensorRT plan beside the ONNX Runtime graph")
     trt = parser.add_argument_group("TensorRT (with --backend tensorrt)")
@@ -71,15 +71,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
         target = Target.parse(args.fidelity_target) if args.fidelity_target else None
     except (ValueError, TypeError) as exc:
         raise TrtServeError(f"--fidelity-target {args.fidelity_target!r}: {exc}") from None
-    from trtserve.models.parallel_track import is_parallel_track
-
-    if is_parallel_track(Path(args.model)):
-        from trtserve.engine_builder.sharding import build_track_engines
-
-        if args.calibration:
-            raise TrtServeError("--calibration is not taken for a parallel-track checkpoint: its engines are "
-                                "measured on the held-out part of the text it was trained on")
-        engine = build_track_engines(Path(args.model), args.out, args.precision, target, args.allow_low_fidelity)
+    shapes, seed = _confirm_grid(args.confirm_grid) if args.confirm_grid else ((), 0)
+    cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
+                      max_batch=args.max_batch, max_seq=args.max_seq, calibration=args.calibration,
+                      fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity,
+                      confirm_grid=args.confirm_grid, confirm_shapes=shapes, confirm_seed=seed,
+                      trt=_trt_options(args))
+    engine = build_engine(cfg)
+    if engine.manifest.parallel_tracks is not None:
         pt = engine.manifest.parallel_tracks
         print(f"track-sharded engine written to {engine.path}: {pt.tracks} tracks x {pt.segments} segments, "
               f"{pt.sync.per_forward} all-reduce(s) per forward")
@@ -88,13 +87,6 @@ def _cmd_build(args: argparse.Namespace) -> int:
         if engine.manifest.fidelity is not None:
             print(f"fidelity vs torch fp32 ({args.precision}): {summary(engine.manifest.fidelity)}")
         return 0
-    shapes, seed = _confirm_grid(args.confirm_grid) if args.confirm_grid else ((), 0)
-    cfg = BuildConfig(model=args.model, out=args.out, precision=args.precision, backend=args.backend,
-                      max_batch=args.max_batch, max_seq=args.max_seq, calibration=args.calibration,
-                      fidelity_target=target, allow_low_fidelity=args.allow_low_fidelity,
-                      confirm_grid=args.confirm_grid, confirm_shapes=shapes, confirm_seed=seed,
-                      trt=_trt_options(args))
-    engine = build_engine(cfg)
     print(f"engine written to {engine.path}")
     print(f"fidelity vs torch fp32 ({engine.manifest.precision.policy}): {summary(engine.manifest.fidelity)}")
     return 0

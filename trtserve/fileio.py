@@ -88,3 +88,33 @@ def atomic_dir(final: Path):
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive lock on `path` (created), held while the block runs: processes that start together on one
+    volume (replicas, containers, test workers) wait for each other here."""
+    import fcntl
+    import sys
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building here ({path})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(target: Path, reuse, build):
+    """What is cached at `target`: `reuse(target)` when it is there and whole (None otherwise), else `build()`,
+    which writes it (atomically). Under a lock beside it, so that processes starting together build it once
+    and the others reuse it. The one build-or-reuse cache of exports, first-start engines and eval engines."""
+    target = Path(target).absolute()
+    with locked(target.parent / f".{target.name}.lock"):
+        found = reuse(target)
+        return found if found is not None else build()

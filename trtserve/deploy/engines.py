@@ -10,13 +10,11 @@ containers) take a lock so that one builds and the others reuse its result.
 
 from __future__ import annotations
 
-import fcntl
 import re
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
-from trtserve.errors import EngineDirError, TrtServeError
+from trtserve.errors import TrtServeError
 
 
 def target_key(backend: str) -> str:
@@ -57,7 +55,7 @@ def engines_root() -> Path:
 
 def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root: Path | None = None) -> Path:
     """MODEL if it is an engine dir; else this machine's engine for MODEL under ROOT, built on first use."""
-    from trtserve.engine_dir import MANIFEST, open_engine_dir
+    from trtserve.engine_dir import MANIFEST, open_engine_dir, whole_engine_dir
 
     if (Path(model) / MANIFEST).is_file():
         open_engine_dir(model)  # a damaged engine is one clear error here, not a failed server start
@@ -65,47 +63,28 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     if Path(model).is_dir() and not any(Path(model).iterdir()):
         raise TrtServeError(f"{model} is an empty directory: mount a checkpoint or an engine directory there, "
                             "or name a bundled model (all-MiniLM-L6-v2, SmolLM2-135M-Instruct)")
-    from trtserve.engine_builder.build import BuildConfig, build_engine
-    from trtserve.models.parallel_track import is_parallel_track
-    from trtserve.runtime.devices import choose_backend
+    from trtserve.engine_builder.build import BuildConfig, backend_for, build_engine
 
-    tracks = is_parallel_track(Path(model))
-    chosen, why = ("onnxruntime", "track-sharded engines run on ONNX Runtime") if tracks else choose_backend(backend)
+    chosen, why = backend_for(model, backend)
     root = engines_root() if root is None else Path(root)
-    from trtserve.fileio import build_code_digest
+    from trtserve.fileio import build_code_digest, build_once
 
     # the builder's code too: an upgraded trtserve builds its own engine instead of serving an older build's
     target = root / (f"{Path(model).name}-{content_key(model)}-{precision}-{target_key(chosen)}"
                      f"-b{build_code_digest()[:8]}")
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{target.name}.lock"):
-        try:
-            open_engine_dir(target)
-            print(f"using the engine built earlier for this machine: {target}", file=sys.stderr)
-        except EngineDirError:
-            print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
-                  file=sys.stderr)
-            if tracks:
-                from trtserve.engine_builder.sharding import build_track_engines
 
-                build_track_engines(Path(model), target, precision)
-            else:
-                build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
-    return target
+    def reuse(path: Path):
+        engine = whole_engine_dir(path)
+        if engine is not None:
+            print(f"using the engine built earlier for this machine: {path}", file=sys.stderr)
+        return engine
 
+    def build():
+        print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
+              file=sys.stderr)
+        return build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
 
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another process building here ({path})", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return build_once(target, reuse, build).path
 
 
 def split_name(model: str) -> tuple[str | None, str]:

@@ -8,10 +8,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from trtserve.engine_builder import BACKENDS, PRECISIONS
 from trtserve.settings import Settings
-
-PRECISIONS = ("fp32", "fp16", "hybrid", "auto", "gguf", "int8", "int4")
-BACKENDS = ("auto", "onnxruntime", "tensorrt")
 
 
 class ServeTarget(Settings):

@@ -1,1 +1,9 @@
-"""Export, build and package engines: torch -> ONNX -> backend artifact + manifest."""
+"""Export, build and package engines: torch -> ONNX -> backend artifact + manifest.
+
+The one list of what `build-engine` (and `serve MODEL`, which builds on first start) takes: every precision
+policy (precision/policy.py) and every backend an engine is built for."""
+
+from trtserve.precision.policy import POLICIES
+
+PRECISIONS = tuple(POLICIES)
+BACKENDS = ("auto", "onnxruntime", "tensorrt")  # auto: tensorrt where TensorRT and a GPU are found

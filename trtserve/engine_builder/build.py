@@ -5,17 +5,16 @@ from __future__ import annotations
 import platform
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtserve import __version__, engine_dir
 from trtserve.engine_builder.tensorrt import TrtOptions
 from trtserve.errors import TrtServeError
-from trtserve.fileio import atomic_dir, cache_root, check_writable_target, sha256_file
+from trtserve.fileio import atomic_dir, build_once, cache_root, check_writable_target
 from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, resolve
 from trtserve.precision.measure import Target
-from trtserve.precision.policy import POLICIES, get_policy
+from trtserve.precision.write import check_precision, target_for
 from trtserve.progress import say, step
 
 ONNX_FILE = "model.onnx"
@@ -42,16 +41,19 @@ class BuildConfig:
 
 
 def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
-    if cfg.precision not in POLICIES:
-        raise TrtServeError(f"--precision {cfg.precision} is not available; choose one of {', '.join(POLICIES)}")
+    """Build the engine of `cfg.model` (any source: a bundled name, a checkpoint folder, a GGUF file, a
+    parallel-track checkpoint, which becomes a track-sharded engine) into `cfg.out`."""
+    from trtserve.models.parallel_track import is_parallel_track
+
+    if is_parallel_track(Path(cfg.model)):
+        return _build_tracks(cfg)
+    check_precision(cfg.precision)
     if cfg.calibration is not None and not Path(cfg.calibration).is_file():
         raise TrtServeError(f"--calibration {cfg.calibration} is not a readable file: give a UTF-8 text file")
     if cfg.max_batch < 1:
         raise TrtServeError(f"--max-batch must be at least 1, got {cfg.max_batch}")
     check_writable_target(cfg.out)
-    from trtserve.runtime.devices import choose_backend
-
-    backend, why = choose_backend(cfg.backend)
+    backend, why = backend_for(cfg.model, cfg.backend)
     if backend == "tensorrt":
         from trtserve.runtime.trt_lib import load_tensorrt
 
@@ -63,9 +65,7 @@ def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
         why += f"; {flavour} {trt.__version__}"
     say(f"backend: {backend} ({why})")
     source = resolve(cfg.model)
-    if get_policy(cfg.precision).weights == "gguf" and source.gguf is None:
-        raise TrtServeError(f"--precision gguf reads a GGUF checkpoint's own blocks, and {source.model_id} was not "
-                            "converted from a .gguf file; give the .gguf file, or choose another --precision")
+    check_precision(cfg.precision, source)
     max_seq = _max_seq(cfg, source)
     grid = None
     if cfg.confirm_grid:  # checked before the long export: a bad grid is a quick, clear error
@@ -79,6 +79,31 @@ def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
         manifest["build_seconds"] = round(time.time() - started, 1)
         engine_dir.seal(tmp, manifest)
     return engine_dir.open_engine_dir(cfg.out, verify=False)
+
+
+def _build_tracks(cfg: BuildConfig) -> engine_dir.EngineDir:
+    """A parallel-track checkpoint: its tracks' engines (engine_builder/sharding.py), on ONNX Runtime."""
+    from trtserve.engine_builder.sharding import build_track_engines
+
+    if cfg.calibration:
+        raise TrtServeError("--calibration is not taken for a parallel-track checkpoint: its engines are "
+                            "measured on the held-out part of the text it was trained on")
+    given = [flag for flag, value in (("--confirm-grid", cfg.confirm_grid), ("--max-seq", cfg.max_seq),
+                                      ("--backend tensorrt", cfg.backend == "tensorrt")) if value]
+    if given:
+        raise TrtServeError(f"{', '.join(given)} is not taken for a parallel-track checkpoint: its engines run on "
+                            "ONNX Runtime over the model's whole context, measured on its held-out text")
+    return build_track_engines(Path(cfg.model), cfg.out, cfg.precision, cfg.fidelity_target, cfg.allow_low_fidelity)
+
+
+def backend_for(model: str, requested: str) -> tuple[str, str]:
+    """(backend, why) an engine of `model` is built for: a track-sharded engine runs on ONNX Runtime."""
+    from trtserve.models.parallel_track import is_parallel_track
+    from trtserve.runtime.devices import choose_backend
+
+    if is_parallel_track(Path(model)):
+        return "onnxruntime", "track-sharded engines run on ONNX Runtime"
+    return choose_backend(requested)
 
 
 def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
@@ -97,8 +122,9 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str,
                 grid=None) -> dict:
-    from trtserve.engine_builder.onnxruntime import OPTIMIZED, map_weights, resident_mb, share_weights
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort, map_weights, resident_mb, share_weights
     from trtserve.precision.run import Harness
+    from trtserve.precision.write import Gate, write_precision
 
     onnx_path = tmp / ONNX_FILE
     source_hash = source.source_hash()
@@ -117,24 +143,27 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
         "io": _io_from_graph(fp32_graph),  # the policy keeps graph inputs and outputs fp32
         "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
     }
-    policy = get_policy(cfg.precision)
-    target = cfg.fidelity_target or (Target.parity() if policy.name == "fp32"
-                                     else Target.for_weights(policy.weights, source.info.kind))
+    target = cfg.fidelity_target or target_for(cfg.precision, source.info.kind)
     harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
     harness.grid_shapes = grid or []
     _copy_tokenizer_files(source, tmp)  # before any measurement: --confirm-grid's real-text rows are tokenized from it
-    search_record = None
-    if policy.name == "auto":
-        import onnx
-
-        from trtserve.precision.search import search
-
-        with step("auto precision: overflow probe and search under fp16 emulation"):
-            policy, search_record = search(onnx.load(str(fp32_graph)), harness)
     manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
     if grid:  # the gate's cases from it are labelled "<label> <input> b<batch> seq<length>"
         manifest["confirm_grid"] = {"grid": cfg.confirm_grid, "label": grid[0][0], "shapes": len(grid)}
-    report = _precision_and_ort(tmp, manifest, policy, search_record, source, fp32_graph, target, harness, why)
+
+    def lower(graph: Path, int8_activations) -> dict:  # the portable graph -> ONNX Runtime's optimized graph
+        return dict(build_ort(graph, tmp, int8_activations), chosen_because=why)
+
+    def engine(precision: dict, backend_entry: dict, digest: str) -> engine_dir.EngineDir:
+        manifest.update({
+            "onnx": {"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
+                     "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
+            "precision": precision,
+            "backend": backend_entry,
+        })
+        return engine_dir.EngineDir(tmp, manifest)
+
+    report = write_precision(cfg.precision, Gate(fp32_graph, onnx_path, source, harness, target, lower, engine))
     manifest["backend"]["weights"] = map_weights(tmp / OPTIMIZED)
     manifest["backend"]["resident_mb"] = resident_mb(tmp / OPTIMIZED)  # of the chosen graph only
     if source.info.kind == "decoder":
@@ -158,171 +187,11 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     if not report["passed"] and not cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])
         raise TrtServeError(
-            f"the {policy.name} engine misses the fidelity target ({len(report['failures'])} failures, e.g. {first}); "
+            f"the {cfg.precision} engine misses the fidelity target ({len(report['failures'])} failures, e.g. {first}); "
             "nothing was written. Use --precision hybrid or fp32, relax --fidelity-target, "
             "or pass --allow-low-fidelity to keep it anyway"
         )
     return manifest
-
-
-def _precision_and_ort(tmp: Path, manifest: dict, policy, search_record, source, fp32_graph: Path, target,
-                       harness, why: str) -> dict:
-    """Write the policy into the graph, optimize it for ONNX Runtime, measure it; return the fidelity report.
-
-    Quantized policies try the activation plans (precision.activations) fastest first. A plan whose quick
-    screen passes is measured in full; where that misses, int8 and int4 keep more of their most sensitive
-    weights one step safer (track_quant.escalation: the calibration text is shorter than the gate's shapes)
-    before the next plan is tried. The first engine that meets the target is kept; the tries that missed
-    are recorded in the backend entry."""
-    from trtserve.engine_builder.onnxruntime import build_ort
-    from trtserve.precision.run import measure_engine, screen_summary, summary
-    from trtserve.precision.search import SEARCH_MAX_LENGTH
-    from trtserve.precision.sensitivity import widened
-
-    onnx_path = tmp / ONNX_FILE
-    plans, tried, written, blocks = [None], [], None, None
-    if policy.weights != "float":
-        import onnx
-
-        from trtserve.precision.activations import plans as activation_plans
-
-        plans = activation_plans(onnx.load(str(fp32_graph)))
-        blocks = _weight_blocks(policy, source, fp32_graph, harness, target)  # once, for every plan
-    measured = policy.weights not in ("float", "gguf")  # each weight's format chosen here: it can be widened
-    for plan in plans:
-        measured_digest = None
-        keep = (plan.fp32_weights if policy.weights == "gguf" else plan.int8) if plan else frozenset()
-        counts = _widening(blocks, policy.weights) if measured else [None]
-        for number, kept in enumerate(counts):
-            chosen = widened(blocks, kept) if measured and kept > blocks.kept else blocks
-            if (keep, kept) != written:
-                graph_report = _apply_precision(fp32_graph, policy, onnx_path, source, keep, chosen)
-                written, digest = (keep, kept), sha256_file(onnx_path)
-                if number and digest == measured_digest:  # the plan keeps those GEMMs fp32 anyway: same graph
-                    say(f"keeping the {kept} most sensitive weights safer changes no weight under this plan")
-                    continue
-                measured_digest = digest
-            label = f", int8 activations in {plan.label}" if plan else ""
-            label += f", the {kept} most sensitive weights kept safer" if kept is not None and kept > blocks.kept else ""
-            with step(f"optimizing the graph with ONNX Runtime{label}"):
-                backend_entry = build_ort(onnx_path, tmp, plan.int8 if plan else None)
-            backend_entry["chosen_because"] = why
-            if plan:
-                backend_entry.update(int8_activations=plan.label, int8_activations_missed=list(tried))
-            manifest.update({
-                "onnx": {"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
-                         "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
-                "precision": dict(policy.describe(), graph=graph_report, search=search_record),
-                "backend": backend_entry,
-            })
-            if plan is not plans[-1] and number == 0:  # a quick screen first: prefill only, shorter lengths
-                harness.engine = engine_dir.EngineDir(tmp, manifest)
-                short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH]
-                with step(f"screening int8 activations in {plan.label}"):
-                    screen = harness.run(decode=False, lengths=short, wide=False)
-                if not screen["passed"]:
-                    tried.append({"plan": plan.label, "fidelity": screen_summary(screen, short, harness.corpus.name)})
-                    say(f"int8 activations in {plan.label} miss the target: {tried[-1]['fidelity']}")
-                    break
-            report = measure_engine(engine_dir.EngineDir(tmp, manifest), source, fp32_graph, target, harness=harness)
-            if report["passed"] or (plan is plans[-1] and number == len(counts) - 1):
-                return report
-            tried.append({"plan": plan.label, "fidelity": summary(report),
-                          **({"kept_safer": kept} if measured else {})})
-            say(f"int8 activations in {plan.label}"
-                + (f" with the {kept} most sensitive weights kept safer" if measured else "")
-                + f" miss the target: {summary(report)}")
-    return report
-
-
-def _widening(choice, fmt: str) -> list[int]:
-    """How many of the most sensitive weights a plan tries keeping safer, in order (track_quant.escalation):
-    only counts that move a weight whose quantization alone changed the output (weights already on their
-    format's grid, as SmolLM2's on Q4_1's, measure 0 and gain nothing), and only while some weight keeps the
-    policy's own format (past that the engine would be another policy's)."""
-    from trtserve.precision.sensitivity import widened
-    from trtserve.precision.track_quant import escalation
-
-    effective = sum(value > 0 for value in choice.sensitivity.values())  # ranked first
-    counts = [choice.kept]
-    for kept in escalation(choice.kept, len(choice.sensitivity))[1:]:
-        if counts[-1] >= effective or fmt not in widened(choice, kept).formats.values():
-            break
-        counts.append(kept)
-    return counts
-
-
-def _weight_blocks(policy, source: ModelSource, fp32_graph: Path, harness, target):
-    """What a quantized-weight policy writes from: the GGUF file's blocks, or each weight's measured format."""
-    import onnx
-
-    if policy.weights == "gguf":
-        from trtserve.precision.gguf_blocks import BlockIndex, read_blocks
-
-        return BlockIndex(read_blocks(source.gguf))
-    from trtserve.precision.quant_policy import candidates
-    from trtserve.precision.sensitivity import CALIBRATION_LENGTH, CALIBRATION_ROWS, choose
-
-    weights, eight_bit = candidates(onnx.load(str(fp32_graph)))
-    try:
-        rows = harness.corpus.rows(harness.tokenizer, CALIBRATION_ROWS, CALIBRATION_LENGTH,
-                                   special=source.info.kind == "encoder")
-    except ValueError as exc:
-        raise TrtServeError(f"--calibration: {exc}; the {policy.name} policy measures each weight's sensitivity on "
-                            f"{CALIBRATION_ROWS} rows of {CALIBRATION_LENGTH} tokens") from None
-    with step(f"{policy.name} weights: sensitivity of {len(weights)} weights on {harness.corpus.name}, then the mix"):
-        return choose(harness.reference, source.info.kind, weights, eight_bit, policy.weights, target, rows,
-                      cache_dir=cache_root() / "sensitivity")
-
-
-def _apply_precision(fp32_graph: Path, policy, out: Path, source: ModelSource, keep: frozenset = frozenset(),
-                     blocks=None) -> dict:
-    import onnx
-
-    from trtserve.precision.passes import apply_policy
-
-    if policy.name == "fp32":
-        shutil.copyfile(fp32_graph, out)
-        return {}
-    if policy.weights != "float":
-        return _apply_blocked(fp32_graph, out, policy, source, keep, blocks)
-    with step(f"writing the {policy.name} precision policy into the graph"):
-        mixed, report = apply_policy(onnx.load(str(fp32_graph)), policy)
-        onnx.save(mixed, str(out))
-        onnx.checker.check_model(str(out), full_check=True)
-    say(f"precision: {policy.name}: {sum(report.low_nodes.values())} nodes low, "
-        f"{sum(report.fp32_nodes.values())} fp32, {report.casts_inserted} casts, patterns kept fp32: "
-        + (", ".join(f"{k} x{v['instances']}" for k, v in report.patterns.items()) or "none (explicit node set)"))
-    return report.to_json()
-
-
-def _apply_blocked(fp32_graph: Path, out: Path, policy, source: ModelSource, keep: frozenset, blocks) -> dict:
-    """Write a quantized-weight policy (gguf: `blocks` is the file's index, `keep` the GEMMs kept fp32;
-    int8/int4: `blocks` is the measured choice, `keep` the plan's int8-activation GEMMs)."""
-    import onnx
-
-    if policy.weights == "gguf":
-        from trtserve.precision.gguf_policy import apply_gguf
-
-        label = f"carrying the blocks of {source.gguf.name} into the graph"
-        rewrite = lambda model: apply_gguf(model, source.gguf, keep, blocks)  # noqa: E731
-    else:
-        from trtserve.precision.quant_policy import apply_quantized
-
-        label = f"writing {policy.name} weights into the graph"
-        rewrite = lambda model: apply_quantized(model, blocks, keep)  # noqa: E731
-    with step(label):
-        model, report = rewrite(onnx.load(str(fp32_graph)))
-        onnx.save(model, str(out))
-        onnx.checker.check_model(str(out), full_check=True)
-    formats = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(
-        v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()]).items()))
-    if policy.weights == "gguf":
-        say(f"precision: gguf: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings read GGUF "
-            f"blocks ({formats}), {len(report['fp32'])} weights stay fp32")
-    else:
-        say(f"precision: {policy.name}: {formats}, {len(report['fp32'])} weights fp32")
-    return report
 
 
 def remeasure(engine: engine_dir.EngineDir, calibration=None) -> dict:
@@ -345,14 +214,20 @@ def _export_cached(source: ModelSource, source_hash: str) -> Path:
     import transformers
 
     key = f"{source_hash[:16]}-f{EXPORT_FORMAT}-torch{torch.__version__}-tf{transformers.__version__}"
-    cached = cache_root() / "onnx" / key / ONNX_FILE
-    if cached.is_file():
-        say(f"export: reusing cached fp32 ONNX {cached}")
-    else:
-        cached.parent.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(cached.parent) as tmp:
+    folder = cache_root() / "onnx" / key
+
+    def reuse(path: Path) -> Path | None:
+        if (path / ONNX_FILE).is_file():
+            say(f"export: reusing cached fp32 ONNX {path / ONNX_FILE}")
+            return path / ONNX_FILE
+        return None
+
+    def export() -> Path:
+        with atomic_dir(folder) as tmp:
             _export(source, tmp / ONNX_FILE)
-    return cached
+        return folder / ONNX_FILE
+
+    return build_once(folder, reuse, export)
 
 
 def _export(source: ModelSource, path: Path) -> None:

@@ -116,13 +116,6 @@ def _export_all(model, tmp: Path) -> dict:
     return graphs
 
 
-QUANTIZED = ("int8", "int4")
-# int8-activation plans, fastest first: every quantized GEMM on int8 activations (MatMulNBits accuracy level
-# 4), then none (4-bit GEMMs on fp32 activations, 8-bit ones back to fp32 weights: ONNX Runtime 1.32 has no
-# fast kernel for 8-bit weights on fp32 activations)
-PLANS = ((frozenset({"*"}), "every quantized GEMM"), (frozenset(), "none"))
-
-
 def _build_command(checkpoint, out, precision: str, target, allow_low_fidelity: bool) -> str:
     parts = ["trtserve", "build-engine", str(checkpoint), "--out", str(out), "--precision", precision]
     if target is not None:
@@ -140,23 +133,15 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
     them, then the first int8-activation plan whose engines meet `target` (the policy's default if None) on
     held-out text; none meeting it is an error unless `allow_low_fidelity`."""
     from trtserve.models.pt_model import load_checkpoint
-    from trtserve.precision.policy import POLICIES
+    from trtserve.precision.write import check_precision, rewrite_float, track_choice, write_track_precision
+    from trtserve.runtime.track_engines import TrackEngines
 
-    if precision not in ("fp32", "fp16", "hybrid", *QUANTIZED):
-        raise TrtServeError(f"--precision {precision} is not available for track engines; choose fp32, fp16, "
-                            f"hybrid, int8 or int4 (of {', '.join(POLICIES)})")
+    check_precision(precision, tracks=True)
     check_writable_target(Path(out))
     model = load_checkpoint(checkpoint)
     cfg = model.cfg
     started = time.time()
-    choice, given = None, target  # the target as given: the rebuild command carries it
-    if precision in QUANTIZED:
-        from trtserve.fileio import cache_root
-        from trtserve.precision.measure import Target
-        from trtserve.precision.track_quant import choose_formats
-
-        target = target or Target.for_weights(precision, "decoder")
-        choice, low = choose_formats(model, precision, target, cache_dir=cache_root() / "sensitivity")
+    chosen = track_choice(precision, model, target)  # int8/int4: each weight's format; before the long export
     exports, graphs = _exports_cached(Path(checkpoint), model)
     with atomic_dir(Path(out)) as tmp:
         (tmp / "vocab.json").write_text(json.dumps(model.vocab.tolist()))  # compact id -> tokenizer id (-1: unknown)
@@ -182,26 +167,28 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
                 "segment_graphs": [[segment_file(i, j, False) for j in range(cfg.segments)]
                                    for i in range(cfg.n_tracks)],
             },
-            "build_command": _build_command(checkpoint, out, precision, given, allow_low_fidelity),
+            "build_command": _build_command(checkpoint, out, precision, target, allow_low_fidelity),
         }
-        if choice is None:
-            _write_graphs(exports, tmp, graphs, lambda graph, _: _policy(graph, precision))
+        if chosen is None:
+            _write_graphs(exports, tmp, graphs, lambda graph, _: rewrite_float(graph, precision))
         else:
-            manifest["precision"].update(_quantized(exports, tmp, graphs, model, (choice, low), target, manifest,
-                                                    allow_low_fidelity))
-            manifest["fidelity"] = manifest["precision"].pop("fidelity")
+            def engines():
+                return TrackEngines(tmp, manifest, tracks=range(cfg.n_tracks), threads=None)
+
+            entries = write_track_precision(precision, model, chosen, lambda rewrite, int8: _write_graphs(
+                exports, tmp, graphs, rewrite, int8), engines)
+            report = manifest["fidelity"] = entries.pop("fidelity")
+            manifest["precision"].update(entries)
+            if not report["passed"] and not allow_low_fidelity:
+                raise TrtServeError(
+                    f"the {precision} track engines miss the fidelity target ({len(report['failures'])} failures, "
+                    f"e.g. {'; '.join(report['failures'][:3])}); nothing was written. Use --precision fp32 or "
+                    "hybrid, relax --fidelity-target, or pass --allow-low-fidelity to keep them anyway")
         manifest["parity"] = _parity(model, tmp, manifest)
         manifest["build_seconds"] = round(time.time() - started, 1)
         engine_dir.seal(tmp, manifest)
     say(f"track engines: {cfg.n_tracks} tracks x {cfg.segments} segments -> {out}")
     return engine_dir.open_engine_dir(out, verify=False)
-
-
-def _policy(graph, precision: str):
-    from trtserve.precision.passes import apply_policy
-    from trtserve.precision.policy import get_policy
-
-    return apply_policy(graph, get_policy(precision))[0]
 
 
 def _exports_cached(checkpoint: Path, model) -> tuple[Path, dict]:
@@ -211,17 +198,24 @@ def _exports_cached(checkpoint: Path, model) -> tuple[Path, dict]:
 
     import torch
 
-    from trtserve.fileio import cache_root, sha256_file
+    from trtserve.fileio import build_once, cache_root, sha256_file
     from trtserve.models.parallel_track import WEIGHTS
 
     digest = hashlib.sha256("".join(sha256_file(checkpoint / f) for f in ("config.json", WEIGHTS)).encode())
     cached = cache_root() / "onnx" / f"pt-{digest.hexdigest()[:16]}-f{EXPORT_FORMAT}-torch{torch.__version__}"
-    if (cached / "graphs.json").is_file():
-        say(f"export: reusing cached fp32 graphs {cached}")
-    else:
-        cached.parent.mkdir(parents=True, exist_ok=True)
+
+    def reuse(path: Path) -> Path | None:
+        if (path / "graphs.json").is_file():
+            say(f"export: reusing cached fp32 graphs {path}")
+            return path
+        return None
+
+    def export() -> Path:
         with atomic_dir(cached) as tmp:
             (tmp / "graphs.json").write_text(json.dumps(_export_all(model, tmp)))
+        return cached
+
+    build_once(cached, reuse, export)
     return cached, {name: tuple(io) for name, io in json.loads((cached / "graphs.json").read_text()).items()}
 
 
@@ -235,57 +229,6 @@ def _write_graphs(exports: Path, tmp: Path, graphs: dict, rewrite, int8_activati
         onnx.save(rewrite(onnx.load(str(exports / name)), name), str(tmp / name))
         build_ort(tmp / name, tmp, int8_activations)
         (tmp / OPTIMIZED).rename(tmp / name.replace(".onnx", ".ort.onnx"))
-
-
-def _quantized(exports: Path, tmp: Path, graphs: dict, model, chosen: tuple, target, manifest: dict,
-               allow_low_fidelity: bool) -> dict:
-    """Write the graphs under each int8-activation plan in turn, keeping more of the most sensitive weights
-    safer each time one misses (track_quant.escalation), until the engines meet `target`; return the
-    manifest's precision entries (the weights' formats, the tries that missed, fidelity)."""
-    import dataclasses
-
-    from trtserve.precision.quant_policy import apply_quantized
-    from trtserve.precision.run import summary
-    from trtserve.precision.sensitivity import mixed
-    from trtserve.precision.track_quant import escalation, fidelity, graph_formats
-    from trtserve.runtime.track_engines import TrackEngines
-
-    choice, low = chosen
-    missed, weights = [], {}
-    tries = [(kept, plan, what) for plan, what in PLANS for kept in escalation(choice.kept, len(choice.sensitivity))]
-    for number, (kept, plan, what) in enumerate(tries):
-        formats = graph_formats(mixed(low, choice.sensitivity, kept), model)
-        try_choice = dataclasses.replace(choice, formats=formats, kept=kept)
-
-        def rewrite(graph, name, plan=plan, try_choice=try_choice):
-            graph, report = apply_quantized(graph, try_choice, plan)
-            weights[name] = {kind: report[kind] for kind in ("gemms", "embeddings", "fp32")}
-            return graph
-
-        _write_graphs(exports, tmp, graphs, rewrite, plan)
-        report = fidelity(TrackEngines(tmp, manifest, tracks=range(model.cfg.n_tracks), threads=None), model, target)
-        say(f"{kept} most sensitive weights kept safer, int8 activations in {what}: {summary(report)}")
-        if report["passed"] or number == len(tries) - 1:
-            break
-        missed.append({"kept_safer": kept, "plan": what, "fidelity": summary(report)})
-    if not report["passed"] and not allow_low_fidelity:
-        raise TrtServeError(f"the {engine_dir.as_manifest(manifest).precision.policy} track engines miss the fidelity target "
-                            f"({len(report['failures'])} failures, e.g. {'; '.join(report['failures'][:3])}); nothing "
-                            "was written. Use --precision fp32 or hybrid, relax --fidelity-target, or pass "
-                            "--allow-low-fidelity to keep them anyway")
-    formats = [f for graph in weights.values() for kind in ("gemms", "embeddings") for f in
-               (entry["format"] for entry in graph[kind].values())]
-    return {"formats": _format_counts(formats, weights), "graph": weights, "int8_activations": what,
-            "int8_activations_missed": missed, "calibration": choice.whole, "kept_safer": kept,
-            "kept_safer_by_calibration": choice.kept, "fidelity": report}
-
-
-def _format_counts(formats: list, weights: dict) -> dict:
-    """How many weights (GEMMs and tables, over every graph) have each format, fp32 ones included."""
-    counts = {}
-    for fmt in formats + ["fp32"] * sum(len(graph["fp32"]) for graph in weights.values()):
-        counts[fmt] = counts.get(fmt, 0) + 1
-    return counts
 
 
 def _parity(model, directory: Path, manifest: dict) -> dict:

@@ -110,6 +110,15 @@ def open_engine_dir(path: str | Path, verify: bool = True) -> EngineDir:
     return engine
 
 
+def whole_engine_dir(path: str | Path) -> EngineDir | None:
+    """The engine dir at `path` when it is there and whole (manifest and files checked); None when it must be
+    built (again): what a cache of built engines reuses."""
+    try:
+        return open_engine_dir(path)
+    except EngineDirError:
+        return None
+
+
 def _verify_file(engine: EngineDir, name: str, entry: FileEntry) -> None:
     path = engine.file(name)
     fix = f"rebuild the engine with `{engine.rebuild}`"

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtserve.errors import TrtServeError
+from trtserve.engine_builder import PRECISIONS  # every policy build-engine takes
 from trtserve.precision.policy import POLICIES
 
 PRESETS = Path(__file__).parent / "presets"
 BACKENDS = ("torch", "onnxruntime", "fp16-emulation", "tensorrt")
-PRECISIONS = tuple(POLICIES)  # every policy build-engine takes
 MIXED = tuple(name for name, p in POLICIES.items() if p.anchors)  # the fp16 ones: what fp16 emulation predicts
 INPUTS = ("real", "random")
 

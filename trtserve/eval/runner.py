@@ -204,9 +204,9 @@ class _Session:
 
     def _engine(self, model: str, precision: str):
         from trtserve.engine_builder.build import BuildConfig, build_engine
-        from trtserve.engine_dir import open_engine_dir
-        from trtserve.errors import EngineDirError, TrtServeError
-        from trtserve.fileio import build_code_digest, cache_root
+        from trtserve.engine_dir import whole_engine_dir
+        from trtserve.errors import TrtServeError
+        from trtserve.fileio import build_code_digest, build_once, cache_root
 
         key = (model, precision)
         if key in self.unbuildable:
@@ -221,23 +221,22 @@ class _Session:
             # keyed by the builder's code too: an engine an older trtserve built lacks what this one measures
             path = cache_root() / "eval" / (f"{model}-{precision}-b{max_batch}-s{max_seq}-g{confirm}-"
                                             f"{build_code_digest()[:12]}")
-            try:
-                self.engines[key] = open_engine_dir(path)
-            except EngineDirError:
+
+            def build():
                 say(f"eval: building the {precision} engine of {model} (once, cached at {path})")
-                try:
-                    self.engines[key] = build_engine(BuildConfig(model=model, out=path, precision=precision,
-                                                                 max_batch=max_batch, max_seq=max_seq,
-                                                                 allow_low_fidelity=True,
-                                                                 confirm_grid=self.grid.source or self.grid.name,
-                                                                 confirm_shapes=shapes,
-                                                                 confirm_seed=self.grid.seed))
-                except TrtServeError as exc:  # a policy this model cannot have (gguf of a non-GGUF checkpoint)
-                    if precision == "fp32":
-                        raise
-                    say(f"eval: no {precision} engine of {model}: {exc}; its rows are recorded as skipped")
-                    self.unbuildable[key] = str(exc)
-                    return None
+                return build_engine(BuildConfig(model=model, out=path, precision=precision, max_batch=max_batch,
+                                                max_seq=max_seq, allow_low_fidelity=True,
+                                                confirm_grid=self.grid.source or self.grid.name,
+                                                confirm_shapes=shapes, confirm_seed=self.grid.seed))
+
+            try:
+                self.engines[key] = build_once(path, whole_engine_dir, build)
+            except TrtServeError as exc:  # a policy this model cannot have (gguf of a non-GGUF checkpoint)
+                if precision == "fp32":
+                    raise
+                say(f"eval: no {precision} engine of {model}: {exc}; its rows are recorded as skipped")
+                self.unbuildable[key] = str(exc)
+                return None
         return self.engines[key]
 
     def _backend(self, config: Config):
@@ -270,18 +269,15 @@ class _Session:
         """ONNX Runtime on the fp16 emulation graph: what an fp16 GPU would compute (fidelity only)."""
         import onnx
 
-        from trtserve.precision.passes import emulation_model
-        from trtserve.precision.policy import policy_from_manifest
+        from trtserve.fileio import cache_root
+        from trtserve.precision.run import emulation_of
         from trtserve.runtime.ort import OrtBackend
 
         engine = self._engine(config.model, config.precision)
-        from trtserve.fileio import cache_root
-
         graph = cache_root() / "eval" / "emulation" / f"{engine.manifest.onnx.sha256[:16]}.onnx"
         if not graph.is_file():
             graph.parent.mkdir(parents=True, exist_ok=True)
-            fp32 = onnx.load(engine.manifest.onnx.fp32_export_cache)
-            onnx.save(emulation_model(fp32, policy_from_manifest(engine.manifest.precision)), str(graph))
+            onnx.save(emulation_of(engine), str(graph))
         return OrtBackend(engine, graph=graph)
 
     def _feeds(self, config: Config, backend) -> dict:

@@ -65,6 +65,18 @@ class Harness:
         return self.run(emulation_model(fp32_model, policy), decode=decode, lengths=lengths, wide=wide)
 
 
+def emulation_of(engine):
+    """The fp16 emulation graph (onnx ModelProto) of an engine: its fp32 export with every node its policy
+    puts in fp16 rounding its inputs and outputs to fp16 (what an fp16 GPU computes)."""
+    import onnx
+
+    from trtserve.precision.passes import emulation_model
+    from trtserve.precision.policy import policy_from_manifest
+
+    return emulation_model(onnx.load(engine.manifest.onnx.fp32_export_cache),
+                           policy_from_manifest(engine.manifest.precision))
+
+
 def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, harness=None) -> dict:
     import onnx
 

@@ -37,6 +37,10 @@ class ServerConfig(Settings):
                                    "event)")
     worker_timeout: float = Field(120.0, gt=0, description="seconds one batch or generation step may take; a worker "
                                   "that misses it (hung, stopped) is killed and restarted and its requests get 503")
+    heartbeat_timeout: float = Field(10.0, gt=0, description="seconds a worker process may go without a heartbeat "
+                                     "(it beats every second from a thread of its own, busy or not); one that "
+                                     "misses it (stopped, or stuck holding the interpreter) is killed and restarted "
+                                     "and its requests get 503")
     drain_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds to finish in-flight requests before "
                                  "exiting")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1, description="largest request body accepted (413 beyond it)")

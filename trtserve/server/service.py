@@ -40,7 +40,7 @@ class Service:
         count, devices, threads, why = placement(self.cfg.workers, self.cfg.threads)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(self.engine))
         return WorkerPool(str(self.engine.path), count, devices, threads, self.metrics, generation=generation,
-                          deadline=self.cfg.worker_timeout)
+                          deadline=self.cfg.worker_timeout, heartbeat=self.cfg.heartbeat_timeout)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])

@@ -3,9 +3,11 @@ the CPU) or, with --workers 0, the server process itself. Batches go to the read
 least outstanding rows; a supervisor restarts a worker process that dies, and the batches it held
 fail with 503 instead of hanging.
 
-Every call into a worker has a deadline (--worker-timeout): a worker process that misses it (hung,
-SIGSTOPped, deadlocked) is killed and restarted like one that died. An in-process worker cannot be
-killed: its callers get 503 at the deadline and its generation loop is started afresh."""
+Every worker process beats a heartbeat from a thread of its own, busy or idle; one silent for
+--heartbeat-timeout (SIGSTOPped, or stuck holding the interpreter) is killed and restarted like one
+that died, whatever it was running. Every call into a worker also has a deadline (--worker-timeout):
+a worker that beats but does not finish a batch or a step in time is killed too. An in-process worker
+cannot be killed: its callers get 503 at the deadline and its generation loop is started afresh."""
 
 from __future__ import annotations
 
@@ -23,18 +25,31 @@ from trtserve.server.errors import ServingError, Unavailable
 log = logging.getLogger("trtserve.server")
 LOAD_TIMEOUT = 300.0
 RESTART_BACKOFF = (0.5, 1, 2, 5, 10, 30)
+HEARTBEAT_EVERY = 1.0  # seconds between a worker process's beats
 
 
 class WorkerError(ServingError):
     """The backend raised while running a batch."""
 
 
-def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None, generation: dict | None) -> None:
+def _beat(heartbeat) -> None:
+    """The worker's heartbeat: CLOCK_MONOTONIC (one clock for every process of the machine) into shared
+    memory the server reads. A thread of its own, so a long batch in native code (which releases the
+    interpreter) keeps beating, and only a stopped or wedged process falls silent."""
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(HEARTBEAT_EVERY)
+
+
+def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None, generation: dict | None,
+                 heartbeat=None) -> None:
     """Body of a worker process: load the engine, then answer ("embed", rows) until told to stop,
     or, for decoders (`generation` options given), run the continuous batcher."""
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops its workers
+    if heartbeat is not None:
+        threading.Thread(target=_beat, args=(heartbeat,), name="trtserve-heartbeat", daemon=True).start()
     try:
         text = _load(engine_dir, threads)
         if generation is not None:  # its sessions are loaded before it reports ready
@@ -74,11 +89,13 @@ class Worker:
     """One backend owner. Calls run one at a time on its own thread, so one batch is in flight."""
 
     def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool,
-                 generation: dict | None = None, deadline: float = 120.0):
+                 generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0):
         self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
         self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
         self.on_prefix = None  # decoders: (new prefix-cache queries, hits) as the worker reports them
         self.deadline = deadline  # seconds one call (or one generation step) may take
+        self.heartbeat_timeout = heartbeat  # seconds a worker process may go without a beat
+        self.heartbeat = None  # the process's last beat (shared memory, time.monotonic())
         self.channel = None  # GenerationChannel of a decoder worker
         self.thread: threading.Thread | None = None  # the generation loop of an in-process decoder worker
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -110,8 +127,9 @@ class Worker:
             self.conn.close()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads or a GPU context
         parent, child = ctx.Pipe()
+        heartbeat = ctx.Value("d", time.monotonic(), lock=False)  # one writer: a float store is atomic enough
         proc = ctx.Process(target=_worker_main,
-                           args=(child, self.engine_dir, self.device, self.threads, self.generation),
+                           args=(child, self.engine_dir, self.device, self.threads, self.generation, heartbeat),
                            name=f"trtserve-worker-{self.index}", daemon=True)
         proc.start()
         child.close()  # so that the worker's death reads as EOF here
@@ -128,7 +146,7 @@ class Worker:
         if status != "ready":
             proc.join(5)
             raise RuntimeError(f"worker {self.index} could not load the engine: {info}")
-        self.proc, self.conn = proc, parent
+        self.proc, self.conn, self.heartbeat = proc, parent, heartbeat
         if self.generation is not None:
             self._open_channel()
         self.ready = True
@@ -181,6 +199,13 @@ class Worker:
             return self.ready and self.thread is not None and not self.thread.is_alive()
         return self.ready and self.proc is not None and not self.proc.is_alive()
 
+    def silent(self) -> float | None:
+        """Seconds since a ready worker process's last heartbeat, when over --heartbeat-timeout."""
+        if self.inline or not self.ready or self.heartbeat is None or not self.proc.is_alive():
+            return None
+        quiet = time.monotonic() - self.heartbeat.value
+        return quiet if quiet > self.heartbeat_timeout else None
+
     def stalled(self) -> bool:
         """A decoder worker that holds sequences and has not answered within its deadline."""
         return self.ready and self.channel is not None and self.channel.stalled(self.deadline)
@@ -217,12 +242,12 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None,
-                 generation: dict | None = None, deadline: float = 120.0):
+                 generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0):
         inline = workers == 0
         count = max(workers, 1)
         self.deadline = deadline
-        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation, deadline)
-                        for i in range(count)]
+        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation, deadline,
+                               heartbeat) for i in range(count)]
         self.metrics = metrics
         if metrics is not None and generation is not None:
             for w in self.workers:
@@ -301,7 +326,12 @@ class WorkerPool:
                     log.exception("supervising worker %d failed", w.index)
 
     def _check(self, w: Worker) -> None:
-        if w.stalled():
+        quiet = w.silent()
+        if quiet is not None:  # stopped or wedged: whatever it held fails now, not at the step deadline
+            if w.channel is not None:
+                w.channel.fail("worker_hung")
+            w.kill(f"no heartbeat for {quiet:.1f} s (--heartbeat-timeout {w.heartbeat_timeout:g})")  # died() next
+        elif w.stalled():
             why = f"it held sequences and made no progress for {w.deadline:g} s (--worker-timeout)"
             if w.inline:  # a thread cannot be killed: its sequences fail and a fresh loop takes over
                 log.error("in-process generation loop: %s; starting a new one", why)
