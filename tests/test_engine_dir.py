@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.manifests import MODEL
+from tests.manifests import FIDELITY, MODEL
 from trtserve import engine_dir
 from trtserve.errors import EngineDirError
 from trtserve.fileio import atomic_dir
@@ -115,6 +115,10 @@ def test_the_typed_manifest_writes_back_what_was_read(tmp_path):
     engine = engine_dir.open_engine_dir(path)
     assert engine.manifest.to_json() == written and engine.manifest.model.architecture.vocab_size == 16
     assert engine.manifest.fidelity is None and engine.manifest.shapes is None  # sections a build had not reached
+    fidelity = {**FIDELITY, "passed": False, "onnxruntime": {"cases": {"seq32": {"logits": {"cosine": float("nan")}}}}}
+    engine_dir.write_manifest(path, {**written, "fidelity": fidelity})  # a NaN measured stays NaN, not null
+    case = engine_dir.open_engine_dir(path).manifest.fidelity.onnxruntime["cases"]["seq32"]
+    assert case["logits"]["cosine"] != case["logits"]["cosine"]
 
 
 def _build_slowly(target: str, log: str) -> str:

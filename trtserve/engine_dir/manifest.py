@@ -259,5 +259,6 @@ class Manifest(Part):
         return self.backend.kv_graph if self.backend else None
 
     def to_json(self) -> dict:
-        """The manifest as written: the keys the builder set, nothing added."""
-        return self.model_dump(mode="json", exclude_unset=True)
+        """The manifest as written: the keys the builder set, nothing added; measured values as measured (a
+        NaN stays NaN, as json writes it, where pydantic's JSON mode would write null)."""
+        return self.model_dump(exclude_unset=True)
