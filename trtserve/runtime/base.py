@@ -24,10 +24,18 @@ class TensorSpec:
         return cls(tensor.name, tensor.dtype, tuple(tensor.shape))
 
 
+@dataclass(frozen=True)
+class Abilities:
+    """What a backend can do beyond `infer`, declared by the backend (never probed for)."""
+
+    kv_slots: bool = False  # `kv_slots(n)`: sequence slots over the engine's in-place decode graph
+
+
 class Backend(Protocol):
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    abilities: Abilities
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 

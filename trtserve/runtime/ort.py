@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from trtserve.engine_dir import EngineDir
-from trtserve.runtime.base import available_cores, check_feeds, io_specs
+from trtserve.runtime.base import Abilities, available_cores, check_feeds, io_specs
 from trtserve.runtime.kv_slots import kv_graph_of
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class OrtBackend:
         self._session = self._kv_session = None
         self._output_names = [spec.name for spec in self.outputs]
         self.kv_graph = None if graph_override else kv_graph_of(engine)
+        self.abilities = Abilities(kv_slots=self.kv_graph is not None)
 
     @property
     def session(self):

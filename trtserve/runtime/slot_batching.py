@@ -20,8 +20,7 @@ from trtserve.runtime.batching import ContinuousBatcher, Event, Sequence
 def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
                  pad_id: int = 0, max_prefill_tokens: int | None = None) -> ContinuousBatcher:
     """The slot batcher where the engine has a decode graph for this backend, else the padded one."""
-    slots = getattr(backend, "kv_slots", None)
-    if slots is not None and getattr(backend, "kv_graph", None):
+    if backend.abilities.kv_slots:
         return SlotBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
     return ContinuousBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
 

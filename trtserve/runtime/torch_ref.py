@@ -10,11 +10,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from trtserve.engine_dir import EngineDir
-from trtserve.runtime.base import available_cores, check_feeds, io_specs
+from trtserve.runtime.base import Abilities, available_cores, check_feeds, io_specs
 
 
 class TorchBackend:
     name = "torch"
+    abilities = Abilities()
 
     def __init__(self, engine: EngineDir, threads: int | None = None):
         import torch

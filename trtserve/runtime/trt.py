@@ -14,7 +14,7 @@ import numpy as np
 
 from trtserve.engine_dir import EngineDir
 from trtserve.errors import EngineDirError
-from trtserve.runtime.base import check_feeds, io_specs
+from trtserve.runtime.base import Abilities, check_feeds, io_specs
 from trtserve.runtime.trt_plan import buffer_plan, check_loadable, select_profile
 
 TORCH_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "int64": "int64",
@@ -23,6 +23,7 @@ TORCH_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16
 
 class TrtBackend:
     name = "tensorrt"
+    abilities = Abilities()  # decoding copies the cache: no in-place decode graph on TensorRT yet
 
     def __init__(self, engine: EngineDir, device: int = 0, cuda_graphs: bool = False):
         import torch
