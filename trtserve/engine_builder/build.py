@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trtserve import __version__, engine_dir
 from trtserve.engine_builder.tensorrt import TrtOptions
+from trtserve.engine_dir.manifest import KvGraph
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, build_once, cache_root, check_writable_target
 from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, resolve
@@ -76,8 +77,7 @@ def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
     started = time.time()
     with atomic_dir(cfg.out) as tmp:
         manifest = _build_into(tmp, cfg, source, max_seq, backend, why, grid)
-        manifest["build_seconds"] = round(time.time() - started, 1)
-        engine_dir.seal(tmp, manifest)
+        engine_dir.seal(tmp, dict(manifest, build_seconds=round(time.time() - started, 1)))
     return engine_dir.open_engine_dir(cfg.out, verify=False)
 
 
@@ -147,43 +147,41 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
     harness.grid_shapes = grid or []
     _copy_tokenizer_files(source, tmp)  # before any measurement: --confirm-grid's real-text rows are tokenized from it
-    manifest.update({"versions": _versions(), "build_command": _rebuild_command(cfg)})
+    manifest.update(versions=_versions(), build_command=_rebuild_command(cfg))
     if grid:  # the gate's cases from it are labelled "<label> <input> b<batch> seq<length>"
-        manifest["confirm_grid"] = {"grid": cfg.confirm_grid, "label": grid[0][0], "shapes": len(grid)}
+        manifest.update(confirm_grid={"grid": cfg.confirm_grid, "label": grid[0][0], "shapes": len(grid)})
 
     def lower(graph: Path, int8_activations) -> dict:  # the portable graph -> ONNX Runtime's optimized graph
         return dict(build_ort(graph, tmp, int8_activations), chosen_because=why)
 
     def engine(precision: dict, backend_entry: dict, digest: str) -> engine_dir.EngineDir:
-        manifest.update({
-            "onnx": {"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
-                     "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
-            "precision": precision,
-            "backend": backend_entry,
-        })
+        manifest.update(onnx={"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
+                              "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
+                        precision=precision, backend=backend_entry)
         return engine_dir.EngineDir(tmp, manifest)
 
     report = write_precision(cfg.precision, Gate(fp32_graph, onnx_path, source, harness, target, lower, engine))
-    manifest["backend"]["weights"] = map_weights(tmp / OPTIMIZED)
-    manifest["backend"]["resident_mb"] = resident_mb(tmp / OPTIMIZED)  # of the chosen graph only
+    chosen = engine_dir.as_manifest(manifest)  # the sections of the try write_precision kept
+    backend_entry = dict(chosen.backend.model_dump(exclude_unset=True), weights=map_weights(tmp / OPTIMIZED),
+                         resident_mb=resident_mb(tmp / OPTIMIZED))  # of the chosen graph only
     if source.info.kind == "decoder":
         from trtserve.engine_builder.kv_graph import build_kv
 
         with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
-            kv = manifest["backend"]["kv_graph"] = build_kv(tmp, manifest)
-        if kv["file"]:
-            map_weights(tmp / kv["file"])
-            kv["weights"] = share_weights(tmp / OPTIMIZED, tmp / kv["file"])  # one copy of what both hold
+            kv = KvGraph.model_validate(build_kv(tmp, chosen))
+        if kv.file:
+            map_weights(tmp / kv.file)
+            kv = kv.model_copy(update={"weights": share_weights(tmp / OPTIMIZED, tmp / kv.file)})  # one copy of both
         else:
-            say(f"no decode graph: {kv['why_not']}; decoding copies the cache per step")
+            say(f"no decode graph: {kv.why_not}; decoding copies the cache per step")
+        backend_entry.update(kv_graph=kv.model_dump(exclude_unset=True))
+    manifest.update(backend=backend_entry)
     if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback
         from trtserve.engine_builder.tensorrt import build_trt
 
         with step("building the TensorRT plan"):
-            manifest["tensorrt"] = build_trt(onnx_path, tmp, manifest, cfg.trt)
-        manifest["tensorrt"]["chosen_because"] = why
-    manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    manifest["fidelity"] = report
+            manifest.update(tensorrt=dict(build_trt(onnx_path, tmp, chosen, cfg.trt), chosen_because=why))
+    manifest.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), fidelity=report)
     if not report["passed"] and not cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])
         raise TrtServeError(

@@ -177,15 +177,14 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
 
             entries = write_track_precision(precision, model, chosen, lambda rewrite, int8: _write_graphs(
                 exports, tmp, graphs, rewrite, int8), engines)
-            report = manifest["fidelity"] = entries.pop("fidelity")
-            manifest["precision"].update(entries)
+            report = entries.pop("fidelity")
+            manifest.update(precision={"policy": precision, **entries}, fidelity=report)
             if not report["passed"] and not allow_low_fidelity:
                 raise TrtServeError(
                     f"the {precision} track engines miss the fidelity target ({len(report['failures'])} failures, "
                     f"e.g. {'; '.join(report['failures'][:3])}); nothing was written. Use --precision fp32 or "
                     "hybrid, relax --fidelity-target, or pass --allow-low-fidelity to keep them anyway")
-        manifest["parity"] = _parity(model, tmp, manifest)
-        manifest["build_seconds"] = round(time.time() - started, 1)
+        manifest.update(parity=_parity(model, tmp, manifest), build_seconds=round(time.time() - started, 1))
         engine_dir.seal(tmp, manifest)
     say(f"track engines: {cfg.n_tracks} tracks x {cfg.segments} segments -> {out}")
     return engine_dir.open_engine_dir(out, verify=False)
