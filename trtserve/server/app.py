@@ -42,7 +42,12 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
     app.state.serving = state  # the routes' state, and the running engines for hosts that embed the app (Ray)
-    app.add_middleware(Guard, cfg=cfg, metrics=metrics, routes=lambda: app.routes)
+    routers = (openai_routes.router, kserve.router, tokens.router)
+
+    def templates():  # every route with its path template (an included router is one opaque entry of app.routes)
+        return [r for r in app.routes if hasattr(r, "path")] + [r for router in routers for r in router.routes]
+
+    app.add_middleware(Guard, cfg=cfg, metrics=metrics, routes=templates)
 
     @app.exception_handler(ServingError)
     async def serving_error(request, exc: ServingError):
@@ -61,7 +66,7 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
     async def http_error(request, exc: HTTPException):
         return error_response(ServingError(str(exc.detail), status=exc.status_code), request.url.path)
 
-    for router in (openai_routes.router, kserve.router, tokens.router):
+    for router in routers:
         app.include_router(router)
     return app
 
