@@ -50,6 +50,24 @@ def wait_serving(url: str, old_pid: int, within: float) -> float:
     raise AssertionError(f"the server did not serve again within {within} s")
 
 
+def fault_under_streams(url: str, fault: signal.Signals, streams: int) -> tuple[int, float]:
+    """Send `fault` to the worker 3 s into `streams` live streams; check that every stream ended with a
+    `service_unavailable` error event; return (the worker's pid, seconds from the fault to the last end)."""
+    victim = httpx.get(f"{url}/health").json()["workers"][0]["pid"]
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(stream_events, url, LONG) for _ in range(streams)]
+        time.sleep(3)  # the streams are running
+        hit = time.monotonic()
+        os.kill(victim, fault)
+        results = [f.result() for f in futures]
+    ended = time.monotonic() - hit
+    for status, events, _ in results:
+        assert status == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2]).get("error")
+        assert error is not None and error["type"] == "service_unavailable", events[-3:]
+    return victim, ended
+
+
 def test_overload_is_429_before_the_first_byte_and_deadlines_are_504_or_an_error_event(smollm2):
     proc, url = start_server(smollm2, "--max-num-seqs", "2", "--max-queue", "2", "--request-timeout", "4")
     try:
@@ -76,18 +94,7 @@ def test_a_killed_or_stopped_worker_answers_every_live_stream_and_the_server_rec
     deadline = 5
     proc, url = start_server(smollm2, "--worker-timeout", str(deadline))
     try:
-        victim = httpx.get(f"{url}/health").json()["workers"][0]["pid"]
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(stream_events, url, LONG) for _ in range(8)]
-            time.sleep(3)  # the streams are running
-            hit = time.monotonic()
-            os.kill(victim, fault)
-            results = [f.result() for f in futures]
-        ended = time.monotonic() - hit
-        for status, events, _ in results:
-            assert status == 200 and events[-1] == "[DONE]"
-            error = json.loads(events[-2]).get("error")
-            assert error is not None and error["type"] == "service_unavailable", events[-3:]
+        victim, ended = fault_under_streams(url, fault, 8)
         assert ended < deadline + 10, ended  # every client had its answer within the deadline (+ slack)
         recovered = wait_serving(url, victim, 30)
         print(f"{fault.name} under 8 streams: all answered {ended:.1f} s after it, serving again {recovered:.1f} s later")
@@ -103,17 +110,7 @@ def test_a_stopped_worker_is_replaced_within_30_s_under_the_default_flags(smollm
     """No --worker-timeout here (120 s by default): the silent heartbeat ends it, whatever step it was in."""
     proc, url = start_server(smollm2)
     try:
-        victim = httpx.get(f"{url}/health").json()["workers"][0]["pid"]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(stream_events, url, LONG) for _ in range(4)]
-            time.sleep(3)  # the streams are running
-            hit = time.monotonic()
-            os.kill(victim, signal.SIGSTOP)
-            results = [f.result() for f in futures]
-        ended = time.monotonic() - hit
-        for status, events, _ in results:
-            assert status == 200 and events[-1] == "[DONE]"
-            assert json.loads(events[-2])["error"]["type"] == "service_unavailable", events[-3:]
+        victim, ended = fault_under_streams(url, signal.SIGSTOP, 4)
         serving = ended + wait_serving(url, victim, 30)
         print(f"SIGSTOP under 4 streams, default flags: all answered {ended:.1f} s after it, serving again at "
               f"{serving:.1f} s")
