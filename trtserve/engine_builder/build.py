@@ -13,7 +13,7 @@ from trtserve.engine_builder.tensorrt import TrtOptions
 from trtserve.engine_dir.manifest import KvGraph
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, build_once, cache_root, check_writable_target
-from trtserve.models.sources import BUNDLED, WEIGHT_SUFFIXES, ModelSource, resolve
+from trtserve.models.sources import WEIGHT_SUFFIXES, ModelSource, resolve
 from trtserve.precision.measure import Target
 from trtserve.precision.write import check_precision, target_for
 from trtserve.progress import say, step
@@ -132,8 +132,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     manifest = {
         "model": {
             "id": source.model_id,
-            "source": cfg.model if cfg.model in BUNDLED and not Path(cfg.model).exists()
-            else str(source.gguf or source.path),
+            "source": source.ref,  # what `trtserve fidelity` resolves again: a bundled name, a hub id or a path
             "source_path": str(source.path),
             "source_sha256": source_hash,
             "family": source.info.family,

