@@ -32,6 +32,7 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
     if source.info.kind == "encoder":
         module, args, names, outputs, shapes = _encoder_spec(source, model)
     else:
+        _static_dynamic_rope(model)
         module, args, names, outputs, shapes = _decoder_spec(source, model)
     with torch.no_grad():
         torch.onnx.export(
@@ -48,6 +49,18 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
         )
     _rename_dims(out, past_dims=source.info.kind == "decoder")
     return names, list(outputs)
+
+
+def _static_dynamic_rope(model) -> None:
+    """`dynamic` rotary scaling recomputes its frequencies once a sequence grows past max_position_embeddings, a
+    branch on data the exporter cannot trace. An engine never exceeds that length (build caps --max-seq at it),
+    and below it the frequencies are the unscaled ones the module already holds: export it as default rope."""
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        if isinstance(kind, str) and "dynamic" in kind:
+            module.rope_type = "default"
+        elif isinstance(kind, dict):
+            module.rope_type = {k: "default" if "dynamic" in v else v for k, v in kind.items()}
 
 
 def _encoder_spec(source: ModelSource, model):
@@ -88,7 +101,7 @@ def _decoder_spec(source: ModelSource, model):
         "past": tuple({0: Dim.AUTO, 2: Dim.AUTO} for _ in range(2 * info.num_layers)),
     }
     names = decoder_input_names(info.num_layers)
-    return decoder_graph(model), tuple(args), names, decoder_output_names(info.num_layers), shapes
+    return decoder_graph(model, info), tuple(args), names, decoder_output_names(info.num_layers), shapes
 
 
 def _rename_dims(path: Path, past_dims: bool) -> None:

@@ -67,15 +67,53 @@ def _attr(node, name, default=None):
 
 
 def _heads_view(g: _Graph, tensor: str, what: str) -> str:
-    """Transpose(0, 2, 1, 3) of Reshape(x (B, S, H*D)) -> x."""
-    transpose = g.node(tensor, "Transpose", what)
-    if list(_attr(transpose, "perm", [])) != [0, 2, 1, 3]:
-        raise NotLowered(f"{what}: transpose {transpose.name} is not (0, 2, 1, 3)")
-    return g.node(transpose.input[0], "Reshape", what).input[0]
+    """x (B, S, H*D) of a heads view (B, H, S, D): the input of Transpose(0, 2, 1, 3)(Reshape(x)) where the
+    graph has it; otherwise (a per-head norm between the two, or after the transpose) a new Transpose and
+    Reshape of the view."""
+    transpose = g.producer.get(tensor)
+    if transpose is not None and transpose.op_type == "Transpose" and list(_attr(transpose, "perm", [])) == [0, 2, 1, 3]:
+        inner = g.producer.get(transpose.input[0])
+        if inner is not None and inner.op_type == "Reshape":
+            return inner.input[0]
+        return _flatten(g, transpose.input[0])
+    swapped = f"{tensor}.kv.bshd"
+    g.graph.node.append(helper.make_node("Transpose", [tensor], [swapped], name=swapped, perm=[0, 2, 1, 3]))
+    return _flatten(g, swapped)
 
 
-def _rotary(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, str]:
-    """x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin -> (x, cos, sin)."""
+def _flatten(g: _Graph, tensor: str) -> str:
+    """Reshape (B, S, H, D) -> (B, S, H*D) as a new node (placed by _drop_dead's ordering)."""
+    if "kv.flat_shape" not in g.inits:
+        g.inits["kv.flat_shape"] = numpy_helper.from_array(np.array([0, 0, -1], np.int64), "kv.flat_shape")
+        g.graph.initializer.append(g.inits["kv.flat_shape"])
+    flat = f"{tensor}.kv.flat"
+    g.graph.node.append(helper.make_node("Reshape", [tensor, "kv.flat_shape"], [flat], name=flat))
+    return flat
+
+
+def _rotated(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, str, int]:
+    """The rotary embedding of x (B, H, S, D) on all D, or on its first R dims with the rest passed through
+    (Concat(rotary(x[..., :R]), x[..., R:]), partial rotary) -> (x, cos, sin, R)."""
+    cat = g.producer.get(tensor)
+    if cat is None or cat.op_type != "Concat":
+        x, cos, sin, dims = _rotary(g, tensor, what)
+        if dims != head:
+            raise NotLowered(f"{what}: the rotary embedding covers {dims} of {head} dims without a pass-through")
+        return x, cos, sin, dims
+    if len(cat.input) != 2 or _attr(cat, "axis") not in (-1, 3):
+        raise NotLowered(f"{what}: {cat.name} is not a partial rotary concat")
+    part, cos, sin, dims = _rotary(g, cat.input[0], what)
+    first, rest = g.node(part, "Slice", what), g.node(cat.input[1], "Slice", what)
+    bounds = [(g.const(s.input[1]), g.const(s.input[2])) for s in (first, rest)]
+    if (first.input[0] != rest.input[0] or any(a is None or b is None for a, b in bounds)
+            or int(bounds[0][0].ravel()[0]) != 0 or int(bounds[0][1].ravel()[0]) != dims
+            or int(bounds[1][0].ravel()[0]) != dims or int(bounds[1][1].ravel()[0]) < head):
+        raise NotLowered(f"{what}: the partial rotary does not split x into [:{dims}] and [{dims}:]")
+    return first.input[0], cos, sin, dims
+
+
+def _rotary(g: _Graph, tensor: str, what: str) -> tuple[str, str, str, int]:
+    """x * cos + cat(-x[..., R/2:], x[..., :R/2]) * sin -> (x, cos, sin, R)."""
     add = g.node(tensor, "Add", what)
     muls = [g.producer.get(i) for i in add.input]
     if any(m is None or m.op_type != "Mul" for m in muls):
@@ -97,31 +135,43 @@ def _rotary(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, str
             if any(a is None or b is None for a, b in halves):
                 continue
             (s1, _), (s2, e2) = halves
-            if int(s1.ravel()[0]) != head // 2 or int(s2.ravel()[0]) != 0 or int(e2.ravel()[0]) != head // 2:
-                raise NotLowered(f"{what}: the rotary halves are not D/2 = {head // 2}")
+            half = int(s1.ravel()[0])
+            if int(s2.ravel()[0]) != 0 or int(e2.ravel()[0]) != half:
+                raise NotLowered(f"{what}: the rotary halves are not [:{half}] and [{half}:]")
             sin = rotated.input[1 - slot]
             cos = plain.input[1 - list(plain.input).index(x)]
-            return x, cos, sin
+            return x, cos, sin, 2 * half
     raise NotLowered(f"{what}: no rotate-half pattern under {add.name}")
 
 
-def _inv_freq(g: _Graph, cos: str, sin: str) -> np.ndarray:
-    """Unsqueeze(Cos(Concat(f, f))) with f = positions * inv_freq, the same f under sin -> inv_freq."""
-    roots = []
+def _inv_freq(g: _Graph, cos: str, sin: str) -> tuple[np.ndarray, float]:
+    """Unsqueeze(Cos(Concat(f, f)) [* a]) with f = positions * inv_freq, the same f and factor a under sin ->
+    (inv_freq, a)."""
+    roots, factors = [], []
     for tensor, op in ((cos, "Cos"), (sin, "Sin")):
-        inner = g.node(g.node(tensor, "Unsqueeze", "rotary table").input[0], op, "rotary table")
+        inner = g.producer.get(g.node(tensor, "Unsqueeze", "rotary table").input[0])
+        factor = 1.0
+        if inner is not None and inner.op_type == "Mul":
+            values = [g.const(i) for i in inner.input]
+            if sum(v is not None and v.size == 1 for v in values) != 1:
+                raise NotLowered("rotary table: cos and sin are scaled by something other than one constant")
+            factor = float(next(v for v in values if v is not None).ravel()[0])
+            inner = g.producer.get(next(i for i, v in zip(inner.input, values) if v is None))
+        factors.append(factor)
+        if inner is None or inner.op_type != op:
+            raise NotLowered(f"rotary table: expected {op}, found {inner.op_type if inner else 'none'}")
         cat = g.node(inner.input[0], "Concat", "rotary table")
         if len(cat.input) != 2 or cat.input[0] != cat.input[1]:
             raise NotLowered("rotary table: the angles are not cat(freqs, freqs)")
         roots.append(cat.input[0])
-    if roots[0] != roots[1]:
+    if roots[0] != roots[1] or factors[0] != factors[1]:
         raise NotLowered("rotary table: cos and sin read different angles")
     mul = g.node(roots[0], "Mul", "rotary table")
     values = [g.const(i) for i in mul.input]
     found = [v for v in values if v is not None]
     if len(found) != 1:
         raise NotLowered("rotary table: the angles are not positions times one constant frequency vector")
-    return found[0].astype(np.float64).ravel()
+    return found[0].astype(np.float64).ravel(), factors[0]
 
 
 def _layer(g: _Graph, i: int, head: int) -> dict:
@@ -130,7 +180,7 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
     cat_v = g.node(f"present.{i}.value", "Concat", what)
     if cat_k.input[0] != f"past_key_values.{i}.key" or cat_v.input[0] != f"past_key_values.{i}.value":
         raise NotLowered(f"{what}: the presents are not past + new")
-    k, cos, sin = _rotary(g, cat_k.input[1], head, what + " key")
+    k, cos, sin, dims = _rotated(g, cat_k.input[1], head, what + " key")
     k_flat, v_flat = _heads_view(g, k, what + " key"), _heads_view(g, cat_v.input[1], what + " value")
     pv = [n for n in g.readers.get(f"present.{i}.value", []) if n.op_type == "MatMul"]
     tk = [n for n in g.readers.get(f"present.{i}.key", []) if n.op_type == "Transpose"]
@@ -140,7 +190,7 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
     if len(qk) != 1:
         raise NotLowered(f"{what}: no single query-key product")
     q_rot = g.node(qk[0].input[0], "Reshape", what + " query").input[0]
-    q, q_cos, q_sin = _rotary(g, q_rot, head, what + " query")
+    q, q_cos, q_sin, _ = _rotated(g, q_rot, head, what + " query")
     if (q_cos, q_sin) != (cos, sin):
         raise NotLowered(f"{what}: query and key use different rotary tables")
     q_flat = _heads_view(g, q, what + " query")
@@ -148,9 +198,14 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
     scale = g.const(next(x for x in scaled[0].input if x != qk[0].output[0])) if len(scaled) == 1 else None
     if scale is None or scale.size != 1:
         raise NotLowered(f"{what}: the scores are not scaled by one constant")
+    scores, softcap = _soft_cap(g, scaled[0].output[0], what)
     probs = g.node(g.node(pv[0].input[0], "Reshape", what).input[0], "Softmax", what)
     if _attr(probs, "axis", -1) != -1:
         raise NotLowered(f"{what}: softmax is not over the keys")
+    masked = g.node(probs.input[0], "Add", what + " mask")
+    if g.node(next((t for t in masked.input if g.producer.get(t) is not None and g.producer[t].op_type == "Reshape"),
+                   masked.input[0]), "Reshape", what + " mask").input[0] != scores:
+        raise NotLowered(f"{what}: the softmax does not read the scaled scores plus a mask")
     out = pv[0].output[0]
     for op in ("Reshape", "Transpose", "Reshape"):
         readers = g.readers.get(out, [])
@@ -158,7 +213,22 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
             raise NotLowered(f"{what}: the attention output is not reshaped back to (B, S, H*D)")
         out = readers[0].output[0]
     return {"q": q_flat, "k": k_flat, "v": v_flat, "out": out, "scale": float(scale.ravel()[0]), "cos": cos, "sin": sin,
-            "drop": [g.producer[out], cat_k, cat_v]}
+            "rotary_dims": dims, "softcap": softcap, "drop": [g.producer[out], cat_k, cat_v]}
+
+
+def _soft_cap(g: _Graph, scores: str, what: str) -> tuple[str, float]:
+    """Mul(Tanh(Div(s, c)), c) on the scaled scores (Gemma 2) -> (its output, c); (scores, 0.0) without one."""
+    readers = g.readers.get(scores, [])
+    if len(readers) != 1 or readers[0].op_type != "Div":
+        return scores, 0.0
+    div = readers[0]
+    cap = g.const(div.input[1])
+    tanh = _only_reader(g, div.output[0], "Tanh")
+    mul = _only_reader(g, tanh.output[0], "Mul")
+    again = g.const(next((t for t in mul.input if t != tanh.output[0]), ""))
+    if cap is None or again is None or cap.size != 1 or again.size != 1 or float(cap.ravel()[0]) != float(again.ravel()[0]):
+        raise NotLowered(f"{what}: the scores go through a tanh that is not a soft cap tanh(s / c) * c")
+    return mul.output[0], float(cap.ravel()[0])
 
 
 def _packed_qkv(g: _Graph, f: dict, i: int) -> list[str]:
@@ -244,8 +314,10 @@ def _only_reader(g: _Graph, tensor: str, op: str):
     return readers[0]
 
 
-def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity: int) -> onnx.ModelProto:
-    """The decode graph of a portable decoder graph (a copy); NotLowered says why it cannot be made."""
+def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity: int,
+          windows: list[int | None] | None = None) -> onnx.ModelProto:
+    """The decode graph of a portable decoder graph (a copy); NotLowered says why it cannot be made.
+    `windows`: per layer, the sliding window of the model (keys q - w < k <= q) or None."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     g = _Graph(graph)
@@ -256,27 +328,37 @@ def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity
     if any(i.type.tensor_type.elem_type != TensorProto.FLOAT for i in float_inputs):
         raise NotLowered("the cache is not float32")
     found = [_layer(g, i, head) for i in layers]
-    inv_freq = _inv_freq(g, found[0]["cos"], found[0]["sin"])
-    if any(_inv_freq(g, f["cos"], f["sin"]).tolist() != inv_freq.tolist() for f in found[1:]):
-        raise NotLowered("the layers use different rotary frequencies")
-    if inv_freq.size != head // 2:
-        raise NotLowered(f"the rotary frequencies have {inv_freq.size} entries, not D/2 = {head // 2}")
     _logit_gather(g)
     _rms_norms(g)
-    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
-    graph.initializer.extend([numpy_helper.from_array(np.cos(angles).astype(np.float32), "kv.cos_cache"),
-                              numpy_helper.from_array(np.sin(angles).astype(np.float32), "kv.sin_cache")])
+    tables: dict[tuple, str] = {}  # one cos/sin cache per distinct rotary table (Gemma 3: local and global)
     for i, f in zip(layers, found):
+        inv_freq, factor = _inv_freq(g, f["cos"], f["sin"])
+        if inv_freq.size != f["rotary_dims"] // 2:
+            raise NotLowered(f"layer {i}: the rotary frequencies have {inv_freq.size} entries, not "
+                             f"{f['rotary_dims'] // 2}")
+        if inv_freq.size % 8:
+            raise NotLowered(f"layer {i}: GroupQueryAttention needs the rotary half-width to be a multiple of 8, "
+                             f"not {inv_freq.size}")
+        key = (tuple(inv_freq.tolist()), factor)
+        if key not in tables:
+            tables[key] = f"kv.rotary.{len(tables)}"
+            angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
+            graph.initializer.extend([
+                numpy_helper.from_array((np.cos(angles) * factor).astype(np.float32), tables[key] + ".cos"),
+                numpy_helper.from_array((np.sin(angles) * factor).astype(np.float32), tables[key] + ".sin")])
         qkv = _packed_qkv(g, f, i)
         index = list(graph.node).index(f["drop"][0])
         for node in f["drop"]:
             graph.node.remove(node)
+        window = (windows or {}).get(i) if isinstance(windows, dict) else (windows[i] if windows else None)
+        extra = {"softcap": f["softcap"]} if f["softcap"] else {}
         graph.node.insert(index, helper.make_node(
             "GroupQueryAttention",
             [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", SEQLENS, TOTAL,
-             "kv.cos_cache", "kv.sin_cache", "", "", "", "", "", "", "", QUERY_LENS],
+             tables[key] + ".cos", tables[key] + ".sin", "", "", "", "", "", "", "", QUERY_LENS],
             [f["out"], f"present.{i}.key", f"present.{i}.value"], name=f"attention.{i}", domain="com.microsoft",
-            num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=f["scale"]))
+            num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=f["scale"],
+            local_window_size=window if window else -1, **extra))
     _drop_dead(graph)
     keep = [i for i in graph.input if i.name in {"input_ids"} or i.name.startswith("past_key_values.")]
     used = {name for n in graph.node for name in n.input}
@@ -346,7 +428,7 @@ def build_kv(tmp: Path, manifest) -> dict:
     capacity = manifest.shapes.total_sequence.max
     try:
         lowered = lower(onnx.load(str(tmp / manifest.onnx.file)), arch.num_heads, arch.num_kv_heads,
-                        arch.head_dim, capacity)
+                        arch.head_dim, capacity, arch.sliding_windows)
     except NotLowered as exc:
         return {"file": None, "why_not": str(exc)}
     staged, out = tmp / "kv.portable.onnx", tmp / KV_GRAPH
@@ -355,10 +437,15 @@ def build_kv(tmp: Path, manifest) -> dict:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.optimized_model_filepath = str(out)
     options.log_severity_level = 3
-    ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
-    staged.unlink()
-    _same_lowerings(tmp / OPTIMIZED, out)
-    check = check_kv(tmp, manifest)
+    try:
+        ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
+        staged.unlink()
+        _same_lowerings(tmp / OPTIMIZED, out)
+        check = check_kv(tmp, manifest)
+    except RuntimeError as exc:  # ONNX Runtime refused the lowered graph: the engine keeps the portable one
+        for path in (staged, out):
+            path.unlink(missing_ok=True)
+        return {"file": None, "why_not": f"ONNX Runtime could not run the decode graph: {str(exc).splitlines()[0]}"}
     if check["max_relative_difference"] > CHECK_TOLERANCE:
         out.unlink()
         return {"file": None, "why_not": f"logits differ from the optimized graph by {check['max_relative_difference']:.2e} "

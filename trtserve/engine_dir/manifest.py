@@ -69,6 +69,9 @@ class Architecture(Part):
     kind: str | None = None
     model_type: str | None = None
     intermediate_size: int | None = None  # parallel-track models
+    sliding_windows: list[int | None] | None = None  # per layer: keys q - w < k <= q; None: full attention
+    attn_softcap: float | None = None  # attention scores tanh(s / cap) * cap
+    final_softcap: float | None = None  # logits tanh(l / cap) * cap
 
 
 class Model(Part):

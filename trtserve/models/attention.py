@@ -12,7 +12,9 @@ NAME = "trtserve_eager"
 _registered = False
 
 
-def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kwargs):
+    """`softcap` (Gemma 2): scores become tanh(scores / cap) * cap before the mask. A sliding window arrives
+    in the mask (kwargs' sliding_window is for kernels that take it separately)."""
     import torch
 
     batch, heads, q_len, head_dim = query.shape  # (B, H, S, D)
@@ -20,6 +22,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling, dropou
     groups = heads // kv_heads
     q = query.reshape(batch, kv_heads, groups * q_len, head_dim)  # (B, Hkv, G*S, D)
     scores = torch.matmul(q, key.transpose(2, 3)) * scaling  # (B, Hkv, G*S, T)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(batch, kv_heads, groups, q_len, -1)  # (B, Hkv, G, S, T)
     if attention_mask is not None:
         # (B, 1, S, T) additive mask with finite minimum -> broadcast over Hkv and G

@@ -1,4 +1,4 @@
-"""Detect the model family from config.json, without importing transformers."""
+"""Detect the model family from config.json, without importing transformers (the families: models/families/)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtserve.errors import ModelSourceError
+from trtserve.models.families import BY_MODEL_TYPE
 
-# model_type -> (family, kind). Kind decides the export graph: encoder or KV-cache decoder.
-SUPPORTED = {
-    "bert": ("bert", "encoder"),
-    "llama": ("llama", "decoder"),
-}
+SUPPORTED = tuple(sorted(BY_MODEL_TYPE))  # the model types trtserve accepts
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    family: str  # "bert" | "llama"
+    family: str  # a module of models/families
     kind: str  # "encoder" | "decoder"
     model_type: str
     num_layers: int
@@ -27,6 +24,9 @@ class ModelInfo:
     head_dim: int
     vocab_size: int
     max_positions: int
+    sliding_windows: tuple[int | None, ...] | None = None  # per layer (None: full attention); None: no window
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
 
 def read_config(model_dir: Path) -> dict:
@@ -50,12 +50,15 @@ def detect(config: dict) -> ModelInfo:
             f"unsupported architecture model_type={model_type!r} "
             f"(architectures={config.get('architectures')}); supported model types: {supported}"
         )
-    family, kind = SUPPORTED[model_type]
+    family = BY_MODEL_TYPE[model_type]
+    family.check(config)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
+    windows = family.windows(config)
+    attn_cap, final_cap = family.softcaps(config)
     return ModelInfo(
-        family=family,
-        kind=kind,
+        family=family.name,
+        kind=family.kind,
         model_type=model_type,
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=hidden,
@@ -64,4 +67,7 @@ def detect(config: dict) -> ModelInfo:
         head_dim=int(config.get("head_dim") or hidden // heads),
         vocab_size=int(config["vocab_size"]),
         max_positions=int(config["max_position_embeddings"]),
+        sliding_windows=windows if any(w is not None for w in windows) else None,
+        attn_softcap=attn_cap,
+        final_softcap=final_cap,
     )

@@ -43,8 +43,14 @@ def encoder_graph(model):
     return _classes()[0](model).eval()
 
 
-def decoder_graph(model):
-    return _classes()[1](model).eval()
+def decoder_graph(model, info=None):
+    """`info` (models.family.ModelInfo) gives the layers' sliding windows and whether the model takes a
+    {"full_attention": mask, "sliding_attention": mask} dict (models.families) rather than one mask."""
+    from trtserve.models.families import by_name
+
+    windows = info.sliding_windows if info is not None else None
+    by_layer_type = info is not None and by_name(info.family).masks_by_layer_type
+    return _classes()[1](model, windows, by_layer_type).eval()
 
 
 @lru_cache(maxsize=1)
@@ -81,9 +87,26 @@ def _classes():
         on the K positions only: a prefill of S tokens no longer computes S vocabulary rows.
         """
 
-        def __init__(self, model: nn.Module):
+        def __init__(self, model: nn.Module, windows=None, by_layer_type: bool = False):
             super().__init__()
             self.model = model
+            found = {w for w in windows or () if w is not None}
+            if len(found) > 1:
+                raise ValueError(f"one sliding window size per model is supported, found {sorted(found)}")
+            self.window = found.pop() if found else None
+            self.by_layer_type = by_layer_type
+
+        def masks(self, allowed, attention_mask, position_ids):
+            """The additive mask each layer reads. A window counts real positions (padding excluded): key k is
+            seen from query q where q - w < k, with k's position the count of real tokens before it."""
+            if self.window is None:
+                return additive_mask(allowed)
+            k_real = torch.cumsum(attention_mask, dim=1) - 1  # (B, T)
+            near = (position_ids[:, :, None] - k_real[:, None, :]) < self.window  # (B, S, T)
+            windowed = additive_mask(allowed & near[:, None, :, :])
+            if self.by_layer_type:
+                return {"full_attention": additive_mask(allowed), "sliding_attention": windowed}
+            return windowed
 
         def forward(self, input_ids, attention_mask, position_ids, logit_positions, *past):
             from transformers import DynamicCache
@@ -97,7 +120,7 @@ def _classes():
             cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
             out = self.model(
                 input_ids=input_ids,
-                attention_mask=additive_mask(allowed),
+                attention_mask=self.masks(allowed, attention_mask, position_ids),
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,

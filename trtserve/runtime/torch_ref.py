@@ -30,7 +30,7 @@ class TorchBackend:
         self.ranges = engine.manifest.shapes
         source = resolve(engine.manifest.model.source)
         model = load_torch_model(source)
-        self.module = decoder_graph(model) if source.info.kind == "decoder" else encoder_graph(model)
+        self.module = decoder_graph(model, source.info) if source.info.kind == "decoder" else encoder_graph(model)
         self._torch = torch
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
