@@ -95,6 +95,9 @@ def test_the_manifest_records_the_familys_structure(family):
     if name in ("qwen2", "mistral", "phi3", "gemma2", "gemma3_text"):
         assert WINDOW in windows  # the test checkpoint has a window smaller than its prompts
     assert manifest.kv_graph.file, manifest.kv_graph.why_not  # the in-place decode graph was made and checked
+    info = run_cli("info", str(engine)).stdout
+    assert (f"sliding window {WINDOW} on" in info) == any(windows), info
+    assert ("attention soft-cap" in info) == (name == "gemma2"), info
 
 
 @pytest.mark.parametrize("length", [SHORT, LONG])
@@ -138,3 +141,15 @@ def test_chat_uses_the_checkpoints_template_and_grammars_hold(family):
         "guided_choice": ["yes", "no"]})
     assert choice.status_code == 200, choice.text
     assert choice.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_a_tensorrt_rtx_plan_builds_with_the_policy_kept_layer_by_layer(family, tmp_path):
+    require_package("tensorrt_rtx", "pip install tensorrt-rtx-cu13 (TensorRT-RTX builds plans without a GPU)")
+    from trtserve.engine_builder.tensorrt import build_trt
+
+    engine = family[2]
+    manifest = json.loads((engine / "manifest.json").read_text())
+    entry = build_trt(engine / "model.onnx", tmp_path, manifest)
+    assert (tmp_path / "model.plan").stat().st_size > 1e6
+    assert [p["name"] for p in entry["profiles"]] == ["prefill", "decode", "prompt_logprobs"]
+    assert entry["layer_precision"]["violations"] == []

@@ -183,9 +183,10 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
     manifest.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), fidelity=report)
     if not report["passed"] and not cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])
+        wider = " or ".join(p for p in ("hybrid", "fp32") if p != cfg.precision)
         raise TrtServeError(
             f"the {cfg.precision} engine misses the fidelity target ({len(report['failures'])} failures, e.g. {first}); "
-            "nothing was written. Use --precision hybrid or fp32, relax --fidelity-target, "
+            f"nothing was written. Use --precision {wider}, relax --fidelity-target, "
             "or pass --allow-low-fidelity to keep it anyway"
         )
     return manifest

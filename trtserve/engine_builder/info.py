@@ -20,6 +20,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"engine      {engine.path}",
         f"model       {model.id} ({model.family} {model.kind}, {arch.num_layers} layers, "
         f"hidden {arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} KV heads)",
+        *_structure(arch),
         f"source      {model.source_path} (sha256 {model.source_sha256[:16]}...)",
         f"precision   {m.precision.policy}" + _graph(m.precision.graph or {}) + _search(m.precision.search),
         f"backend     {backend.name} {backend.onnxruntime_version} ({backend.chosen_because or ''})"
@@ -83,6 +84,18 @@ def _widened(report: dict) -> str:
     if first is None:
         return "; on calibration text "
     return f", widened because the gate missed with the {first} chosen on calibration text, where that mix measured "
+
+
+def _structure(arch) -> list[str]:
+    """The family's windows and soft-caps, where it has them (models/families)."""
+    parts = []
+    if arch.sliding_windows:
+        windowed = [i for i, w in enumerate(arch.sliding_windows) if w]
+        parts.append(f"sliding window {max(w for w in arch.sliding_windows if w)} on {len(windowed)} of "
+                     f"{arch.num_layers} layers")
+    parts += [f"{what} soft-cap {cap:g}" for what, cap in (("attention", arch.attn_softcap),
+                                                           ("final-logit", arch.final_softcap)) if cap]
+    return [f"structure   {'; '.join(parts)}"] if parts else []
 
 
 def _graph(report: dict) -> str:
