@@ -100,6 +100,29 @@ def test_the_manifest_records_the_familys_structure(family):
     assert ("attention soft-cap" in info) == (name == "gemma2"), info
 
 
+def test_the_precision_passes_find_the_declared_structure_in_the_graph(family):
+    """What the family module declares is what the structural finders meet in the exported graph: every
+    RMS norm (q/k norms included) as one chain, each soft-cap's tanh, the gelu, and the window's position
+    arithmetic inside the mask chain that hybrid keeps fp32."""
+    import onnx
+
+    from trtserve.engine_dir import open_engine_dir
+    from trtserve.models.families import by_name
+    from trtserve.precision.passes import find_patterns
+
+    name, engine = family[0], family[2]
+    declared, arch = by_name(name), open_engine_dir(engine).manifest.model.architecture
+    model = onnx.load(str(engine / "model.onnx"))
+    found = find_patterns(model, ["rmsnorm", "attention_mask"])
+    layers = arch.num_layers
+    assert len(found["rmsnorm"]) == layers * (declared.norms_per_layer + 2 * declared.qk_norm) + 1
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Tanh") == layers * bool(arch.attn_softcap) + bool(arch.final_softcap)
+    assert ops.count("Gelu") == (layers if declared.activation.startswith("gelu") else 0)
+    mask_ops = {n.op_type for n in model.graph.node if n.name in found["attention_mask"][0]}
+    assert ("CumSum" in mask_ops) == bool(arch.sliding_windows), mask_ops
+
+
 @pytest.mark.parametrize("length", [SHORT, LONG])
 def test_prompt_logprobs_and_greedy_tokens_equal_transformers(family, reference, length):
     ids = _prompt(length, seed=length)

@@ -6,7 +6,10 @@ each RMS norm becomes ONNX Runtime's fused SimplifiedLayerNormalization.
 The portable graph keeps the standard contract (left-padded attention_mask, past in, past + new out);
 this graph is a lowering of it for ONNX Runtime only, found by the graph's structure (rotary halves,
 Concat of past and new, matmul-softmax-matmul), never by names, and checked against the optimized graph
-before it is kept. Its contract, per sequence slot b of the buffers (slots, Hkv, capacity, D):
+before it is kept. The families' variations are found the same way: per-head q/k norms (a reshape of the
+normed heads is added), biases and fused projections (whatever produces q, k and v), partial rotary, a
+soft-cap's tanh chain on the scores (the node's softcap), one cos/sin table per rotary base; sliding
+windows come from the manifest's per-layer windows (local_window_size). Its contract, per sequence slot b of the buffers (slots, Hkv, capacity, D):
   input_ids (B, S)       new tokens, right-padded: rows [0, query_seqlens[b]) are real
   query_seqlens (B,)     new tokens of row b this call (0: the row is idle, its cache unchanged)
   seqlens_k (B,)         tokens in row b's cache after this call, minus one
@@ -350,7 +353,7 @@ def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity
         index = list(graph.node).index(f["drop"][0])
         for node in f["drop"]:
             graph.node.remove(node)
-        window = (windows or {}).get(i) if isinstance(windows, dict) else (windows[i] if windows else None)
+        window = windows[i] if windows else None
         extra = {"softcap": f["softcap"]} if f["softcap"] else {}
         graph.node.insert(index, helper.make_node(
             "GroupQueryAttention",

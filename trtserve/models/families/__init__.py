@@ -31,6 +31,7 @@ class Family:
     model_types: tuple[str, ...]
     kind: str  # "encoder" | "decoder"
     norm: str = "rms"  # "rms": x / rms(x) * w; "rms(1+w)": x / rms(x) * (1 + w); "layer": LayerNorm
+    norms_per_layer: int = 2  # before attention and feed-forward; Gemma also norms each block's output (4)
     biases: str = "none"  # which projections carry biases: "none", "qkv", "all"
     activation: str = "silu"  # the feed-forward's gate activation
     qk_norm: bool = False  # an RMS norm on each head's query and key before the rotary embedding
@@ -79,6 +80,17 @@ def layer_windows(config: dict, pattern: int = 0) -> tuple[int | None, ...]:
     types = config.get("layer_types") or [
         "sliding_attention" if pattern and (i + 1) % pattern else "full_attention" for i in range(layers)]
     return tuple(int(window) if window and t == "sliding_attention" else None for t in types[:layers])
+
+
+def from_max_window_layers(config: dict) -> tuple[int | None, ...]:
+    """Qwen's windows: only where use_sliding_window is set, on the layers from max_window_layers on."""
+    if not config.get("use_sliding_window"):
+        return (None,) * int(config["num_hidden_layers"])
+    if not config.get("layer_types"):
+        start = int(config.get("max_window_layers", 0))
+        config = dict(config, layer_types=["sliding_attention" if i >= start else "full_attention"
+                                           for i in range(int(config["num_hidden_layers"]))])
+    return layer_windows(config)
 
 
 def every_layer(config: dict) -> tuple[int | None, ...]:

@@ -10,6 +10,6 @@ def _windows(config: dict) -> tuple[int | None, ...]:
     return layer_windows(config, pattern=int(config.get("sliding_window_pattern", 6)))
 
 
-FAMILY = Family(name="gemma3_text", model_types=("gemma3_text",), kind="decoder", norm="rms(1+w)",
+FAMILY = Family(name="gemma3_text", model_types=("gemma3_text",), kind="decoder", norm="rms(1+w)", norms_per_layer=4,
                 activation="gelu_tanh", qk_norm=True, embedding_scale=True, windows=_windows, softcaps=softcaps,
                 masks_by_layer_type=True, rope_types=("default", "linear"))

@@ -1,19 +1,7 @@
 """Qwen2 and Qwen2.5: Llama's layout with biases on the query, key and value projections; a sliding window
 on the layers from max_window_layers on where use_sliding_window is set."""
 
-from trtserve.models.families import Family, layer_windows
+from trtserve.models.families import Family, from_max_window_layers
 
-
-def _windows(config: dict) -> tuple[int | None, ...]:
-    """A window only where use_sliding_window is set: on the layers from max_window_layers on."""
-    if not config.get("use_sliding_window"):
-        return (None,) * int(config["num_hidden_layers"])
-    if not config.get("layer_types"):
-        start = int(config.get("max_window_layers", 0))
-        config = dict(config, layer_types=["sliding_attention" if i >= start else "full_attention"
-                                           for i in range(int(config["num_hidden_layers"]))])
-    return layer_windows(config)
-
-
-FAMILY = Family(name="qwen2", model_types=("qwen2",), kind="decoder", biases="qkv", windows=_windows,
+FAMILY = Family(name="qwen2", model_types=("qwen2",), kind="decoder", biases="qkv", windows=from_max_window_layers,
                 masks_by_layer_type=True, rope_types=("default", "linear", "dynamic", "yarn"))
