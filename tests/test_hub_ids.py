@@ -21,9 +21,10 @@ def hub_home(minilm_dir, tmp_path_factory):
     repo = home / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2"
     snapshot = repo / "snapshots" / COMMIT
     snapshot.mkdir(parents=True)
-    for file in minilm_dir.iterdir():
+    for file in minilm_dir.rglob("*"):
         if file.is_file():
-            (snapshot / file.name).symlink_to(file)
+            (snapshot / file.relative_to(minilm_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / file.relative_to(minilm_dir)).symlink_to(file)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return home

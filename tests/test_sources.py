@@ -15,6 +15,8 @@ def copy_checkpoint(src, dst, skip=()):
     for file in src.iterdir():
         if file.is_file() and file.name not in skip:
             shutil.copyfile(file, dst / file.name)
+        elif file.is_dir() and file.name not in skip:  # sentence-transformers' module folders (1_Pooling)
+            shutil.copytree(file, dst / file.name)
     return dst
 
 
@@ -26,6 +28,11 @@ def test_bundled_minilm_resolves_from_its_package(minilm_dir):
 def test_local_checkpoint_directory(minilm_dir, tmp_path):
     source = resolve(str(copy_checkpoint(minilm_dir, tmp_path / "mini")))
     assert source.model_id == "mini" and source.info.hidden_size == 384
+
+
+def test_a_module_folder_missing_from_a_copy_is_named(minilm_dir, tmp_path):
+    with pytest.raises(ModelSourceError, match="modules.json lists 1_Pooling, but .*1_Pooling/config.json is missing"):
+        resolve(str(copy_checkpoint(minilm_dir, tmp_path / "mini", skip=("1_Pooling",))))
 
 
 def test_missing_path_names_the_bundled_models(tmp_path):

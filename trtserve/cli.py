@@ -386,6 +386,9 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`trtserve info DIR | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the flush at exit is quiet
+        return 0
     except Exception as exc:
         # Ctrl-C inside a native import surfaces as e.g. ImportError raised from KeyboardInterrupt.
         if _caused_by_interrupt(exc):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import platform
 import shutil
 import time
@@ -142,6 +144,8 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
         "io": _io_from_graph(fp32_graph),  # the policy keeps graph inputs and outputs fp32
         "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
     }
+    if source.pooling is not None:
+        manifest.update(pooling=source.pooling.to_json(source.info.hidden_size))
     target = cfg.fidelity_target or target_for(cfg.precision, source.info.kind)
     harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
     harness.grid_shapes = grid or []
@@ -212,6 +216,9 @@ def _export_cached(source: ModelSource, source_hash: str) -> Path:
     import transformers
 
     key = f"{source_hash[:16]}-f{EXPORT_FORMAT}-torch{torch.__version__}-tf{transformers.__version__}"
+    if source.pooling is not None:  # an encoder's graph ends in its pooling (its files are in source_hash too)
+        pooled = json.dumps(source.pooling.to_json(source.info.hidden_size), sort_keys=True).encode()
+        key += f"-pool{hashlib.sha256(pooled).hexdigest()[:8]}"
     folder = cache_root() / "onnx" / key
 
     def reuse(path: Path) -> Path | None:

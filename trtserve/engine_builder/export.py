@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from trtserve.models.pooling import load_dense
 from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
@@ -74,7 +75,8 @@ def _encoder_spec(source: ModelSource, model):
         args.append(torch.zeros(batch, seq, dtype=torch.int64))
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
     shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
-    return encoder_graph(model), tuple(args), names, ENCODER_OUTPUTS, shapes
+    graph = encoder_graph(model, source.pooling, load_dense(source.path, source.pooling))
+    return graph, tuple(args), names, ENCODER_OUTPUTS, shapes
 
 
 def _decoder_spec(source: ModelSource, model):

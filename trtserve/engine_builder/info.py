@@ -21,6 +21,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"model       {model.id} ({model.family} {model.kind}, {arch.num_layers} layers, "
         f"hidden {arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} KV heads)",
         *_structure(arch),
+        *_pooling(m.pooling, model.kind),
         f"source      {model.source_path} (sha256 {model.source_sha256[:16]}...)",
         f"precision   {m.precision.policy}" + _graph(m.precision.graph or {}) + _search(m.precision.search),
         f"backend     {backend.name} {backend.onnxruntime_version} ({backend.chosen_because or ''})"
@@ -84,6 +85,18 @@ def _widened(report: dict) -> str:
     if first is None:
         return "; on calibration text "
     return f", widened because the gate missed with the {first} chosen on calibration text, where that mix measured "
+
+
+def _pooling(pooling, kind: str) -> list[str]:
+    """An encoder's vector: its pooling modes, Dense modules and Normalize, and where they were read."""
+    if kind != "encoder":
+        return []
+    if pooling is None:
+        return ["pooling     mean, normalized after the graph (an engine built before pooling was in the graph)"]
+    dense = "".join(f" -> dense {d.in_features}->{d.out_features} {d.activation}" for d in pooling.dense)
+    prompts = f"; prompts {', '.join(sorted(pooling.prompts))}" if pooling.prompts else ""
+    return [f"pooling     {' + '.join(pooling.modes)}{dense}{', normalized' if pooling.normalize else ', not normalized'}"
+            f" -> {pooling.dimensions} dims ({pooling.source}){prompts}"]
 
 
 def _structure(arch) -> list[str]:

@@ -229,6 +229,26 @@ class ConfirmGrid(Part):
     shapes: int
 
 
+class DenseModule(Part):
+    path: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+
+
+class Pooling(Part):
+    """An encoder's vector, computed in the graph (models.pooling): modes concatenated, Dense, Normalize."""
+    modes: list[str]
+    normalize: bool
+    dense: list[DenseModule] = []
+    source: str
+    prompts: dict[str, str] = {}
+    default_prompt_name: str | None = None
+    folders: list[str] = []
+    dimensions: int
+
+
 class FileEntry(Part):
     size: int
     sha256: str
@@ -247,6 +267,7 @@ class Manifest(Part):
     parity: Parity | None = None
     parallel_tracks: ParallelTracks | None = None
     confirm_grid: ConfirmGrid | None = None
+    pooling: Pooling | None = None  # encoders built since pooling moved into the graph; None: mean, normalized after
     versions: dict[str, str] | None = None
     build_command: str | None = None
     created: str | None = None

@@ -19,6 +19,7 @@ from pathlib import Path
 from trtserve.errors import ModelSourceError
 from trtserve.fileio import cache_root, sha256_files
 from trtserve.models.family import ModelInfo, detect, read_config
+from trtserve.models.pooling import Pooling, read_pooling
 
 TOKENIZER_SIGNS = (  # a checkpoint has a tokenizer when it holds one of these
     "tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
@@ -27,7 +28,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")  # org/name or or
 HUB_FILES = (  # what a build reads of a hub repository: config, weights, tokenizer, chat template, pooling
     "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
     "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "chat_template.*",
-    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*_Pooling/config.json")
+    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*_Pooling/config.json",
+    "*_Dense/config.json", "*_Dense/model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,14 @@ class ModelSource:
     config: dict
     gguf: Path | None = None  # the GGUF file the checkpoint was converted from (its blocks: --precision gguf)
     ref: str = ""  # what resolve() takes to find this checkpoint again: a bundled name, a hub id, or a path
+    pooling: Pooling | None = None  # encoders: how token states become one vector (models.pooling)
 
     def files(self) -> list[Path]:
-        return [p for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".")]
+        """The checkpoint's files: its folder's, and those of the sentence-transformers modules it lists."""
+        found = [p for p in self.path.iterdir() if p.is_file() and not p.name.startswith(".")]
+        for sub in self.pooling.folders if self.pooling else ():
+            found += [p for p in (self.path / sub).glob("*") if p.is_file() and not p.name.startswith(".")]
+        return found
 
     def source_hash(self) -> str:
         return sha256_files(self.files(), self.path)
@@ -138,7 +145,9 @@ def resolve(model: str) -> ModelSource:
     _check_weights(path)
     _check_tokenizer(path)
     ref = model if (model in BUNDLED or is_hub_id(model)) else str(gguf or path.absolute())
-    return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf, ref=ref)
+    pooling = read_pooling(path) if info.kind == "encoder" else None
+    return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf, ref=ref,
+                       pooling=pooling)
 
 
 def from_hub(model: str) -> Path:

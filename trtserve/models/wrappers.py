@@ -39,8 +39,11 @@ def decoder_output_names(num_layers: int) -> list[str]:
     return names
 
 
-def encoder_graph(model):
-    return _classes()[0](model).eval()
+def encoder_graph(model, pooling=None, dense=None):
+    """`pooling` (models.pooling.Pooling; None: mean, normalized) and its Dense modules' (weight, bias)."""
+    from trtserve.models.pooling import Pooling
+
+    return _classes()[0](model, pooling or Pooling(("mean",), True), dense or []).eval()
 
 
 def decoder_graph(model, info=None):
@@ -60,11 +63,21 @@ def _classes():
     from torch import nn
 
     class EncoderGraph(nn.Module):
-        """(input_ids, attention_mask[, token_type_ids]) -> (last_hidden_state, mean-pooled embedding)."""
+        """(input_ids, attention_mask[, token_type_ids]) -> (last_hidden_state, sentence_embedding): the
+        checkpoint's pooling modes concatenated, its Dense modules, its Normalize (models.pooling)."""
 
-        def __init__(self, model: nn.Module):
+        def __init__(self, model: nn.Module, pooling, dense):
             super().__init__()
             self.model = model
+            self.modes, self.normalize = pooling.modes, pooling.normalize
+            self.activations = [d.activation for d in pooling.dense]
+            self.dense = nn.ModuleList()
+            for (weight, bias), module in zip(dense, pooling.dense):
+                layer = nn.Linear(module.in_features, module.out_features, bias=bias is not None)
+                layer.weight.data = torch.from_numpy(weight)
+                if bias is not None:
+                    layer.bias.data = torch.from_numpy(bias)
+                self.dense.append(layer)
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):
             keep = attention_mask.bool()  # (B, S)
@@ -72,10 +85,34 @@ def _classes():
             hidden = self.model(
                 input_ids=input_ids, attention_mask=mask4d, token_type_ids=token_type_ids
             ).last_hidden_state  # (B, S, H)
-            weights = keep.to(hidden.dtype)[:, :, None]  # (B, S, 1)
-            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)  # (B, H)
-            return hidden, pooled
+            return hidden, self.pool(hidden, keep)
 
+        def pool(self, hidden, keep):
+            weights = keep.to(hidden.dtype)[:, :, None]  # (B, S, 1)
+            count = weights.sum(1).clamp(min=1e-9)
+            parts = []
+            for mode in self.modes:
+                if mode == "cls":
+                    parts.append(hidden[:, 0])
+                elif mode == "max":
+                    parts.append(torch.where(keep[:, :, None], hidden, torch.full_like(hidden, -1e9)).max(1).values)
+                elif mode in ("mean", "mean_sqrt_len"):
+                    total = (hidden * weights).sum(1)
+                    parts.append(total / (count if mode == "mean" else count.sqrt()))
+                elif mode == "weightedmean":
+                    ranks = weights * torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[None, :, None]
+                    parts.append((hidden * ranks).sum(1) / ranks.sum(1).clamp(min=1e-9))
+                else:  # lasttoken: the last position the mask keeps
+                    last = (keep.long() * torch.arange(hidden.shape[1])[None]).argmax(1)
+                    parts.append(hidden[torch.arange(hidden.shape[0]), last])
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            for layer, activation in zip(self.dense, self.activations):
+                out = layer(out)
+                out = {"identity": lambda x: x, "tanh": torch.tanh, "relu": torch.relu, "sigmoid": torch.sigmoid,
+                       "gelu": nn.functional.gelu}[activation](out)
+            if self.normalize:
+                out = out / out.norm(dim=1, keepdim=True).clamp(min=1e-12)
+            return out
 
     class DecoderGraph(nn.Module):
         """One graph for prefill and decode: past length P may be 0.

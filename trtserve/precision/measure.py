@@ -222,6 +222,19 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
     return {"text": corpus.name, "cases": cases, "sentences": sentences_report(backend, ref_model, tokenizer)}
 
 
+def pooled_reference(engine, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """What the engine's graph should output as sentence_embedding, computed in numpy from the reference's
+    token states (models.pooling.pool); an engine built before pooling was in the graph: the plain mean."""
+    from pathlib import Path
+
+    from trtserve.models.pooling import Pooling, from_manifest, load_dense, pool
+
+    if engine.manifest.pooling is None:
+        return pool(Pooling(("mean",), False), hidden, mask)
+    pooling = from_manifest(engine.manifest.pooling)
+    return pool(pooling, hidden, mask, load_dense(Path(engine.manifest.model.source_path), pooling))
+
+
 def _encoder_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray) -> dict:
     import torch
 
@@ -232,8 +245,7 @@ def _encoder_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray
     with torch.inference_mode():
         ref = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
     keep = mask.astype(bool)
-    weights = keep[..., None].astype(np.float64)
-    ref_pooled = (ref * weights).sum(1) / weights.sum(1)
+    ref_pooled = pooled_reference(backend.engine, ref, mask)
     return {
         "batch": int(ids.shape[0]),
         "tokens": int(keep.sum()),
@@ -264,8 +276,7 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
         ours.append(backend.infer(feeds)["sentence_embedding"])
         with torch.inference_mode():
             hidden = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
-        weights = feeds["attention_mask"][..., None].astype(np.float64)
-        ref.append((hidden * weights).sum(1) / weights.sum(1))
+        ref.append(pooled_reference(backend.engine, hidden, feeds["attention_mask"]))
     ours, ref = np.concatenate(ours).astype(np.float64), np.concatenate(ref)
     unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
     cos = (unit(ours) * unit(ref)).sum(1)

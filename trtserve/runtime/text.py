@@ -62,6 +62,19 @@ def token_ids(tokenizer, texts: list[str], add_special_tokens: bool = True) -> l
     return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
+def truncated_ids(tokenizer, texts: list[str], limit: int, direction: str) -> list[list[int]]:
+    """Token ids with the special tokens, at most `limit` of them: the text's tokens are cut (from the end,
+    direction "right", or the start, "left") and the special tokens put around what is left."""
+    room = limit - tokenizer.num_special_tokens_to_add(False)
+    if room < 1:
+        raise ValueError(f"{limit} tokens leave no room for text beside the special tokens")
+    rows = []
+    for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
+        enc.truncate(room, direction=direction)
+        rows.append(tokenizer.post_process(enc, None, True).ids)
+    return rows
+
+
 class WithHidden(list):
     """A token-id row whose caller wants its last hidden state as well as its embedding (raw tensors
     over KServe v2); rows of both kinds share a batch."""
@@ -90,7 +103,7 @@ class TextEngine:
         return token_ids(self.tokenizer, texts, add_special_tokens)
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        """Mean-pooled, L2-normalised sentence embeddings (B, H)."""
+        """Sentence embeddings (B, D), pooled as the checkpoint says (the manifest's pooling)."""
         self._batch(texts)  # length check with a clear message
         return self.embed_ids(self.tokenize(texts))
 
@@ -120,8 +133,9 @@ class TextEngine:
             feeds["token_type_ids"] = np.zeros_like(ids)
         outputs = self.backend.infer(feeds)
         pooled = outputs["sentence_embedding"]
-        normalised = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
-        return normalised, outputs["last_hidden_state"] if hidden else None
+        if self.backend.engine.manifest.pooling is None:  # built before pooling was in the graph: mean, normalized here
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return pooled, outputs["last_hidden_state"] if hidden else None
 
     def complete(self, prompt: str, max_new_tokens: int = 32) -> str:
         """Greedy continuation of one prompt, stopping at end-of-sequence."""

@@ -21,6 +21,7 @@ class TorchBackend:
         import torch
 
         from trtserve.models.loading import load_torch_model
+        from trtserve.models.pooling import load_dense
         from trtserve.models.sources import resolve
         from trtserve.models.wrappers import decoder_graph, encoder_graph
 
@@ -30,7 +31,8 @@ class TorchBackend:
         self.ranges = engine.manifest.shapes
         source = resolve(engine.manifest.model.source)
         model = load_torch_model(source)
-        self.module = decoder_graph(model, source.info) if source.info.kind == "decoder" else encoder_graph(model)
+        self.module = decoder_graph(model, source.info) if source.info.kind == "decoder" else encoder_graph(
+            model, source.pooling, load_dense(source.path, source.pooling))
         self._torch = torch
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

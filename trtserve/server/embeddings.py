@@ -24,8 +24,12 @@ class EmbeddingService(Service):
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files
-        architecture = self.manifest.model.architecture
-        self.dim, self.vocab = architecture.hidden_size, architecture.vocab_size
+        architecture, pooling = self.manifest.model.architecture, self.manifest.pooling
+        self.dim = pooling.dimensions if pooling else architecture.hidden_size
+        self.vocab = architecture.vocab_size
+        self.normalizes = pooling.normalize if pooling else True
+        self.prompts = dict(pooling.prompts) if pooling else {}
+        self.default_prompt = pooling.default_prompt_name if pooling else None
         self.max_seq = self.manifest.shapes.sequence.max
         self.pool = self.worker_pool()
         engine_max = self.manifest.shapes.batch.max
@@ -59,9 +63,9 @@ class EmbeddingService(Service):
 
     def rows(self, request: EmbeddingRequest) -> list[list[int]]:
         self.check_model(request.model)
-        if request.dimensions is not None and request.dimensions != self.dim:
-            raise BadRequest(f"`{self.model_id}` returns {self.dim} dimensions and cannot shorten them; "
-                             f"omit `dimensions` or set it to {self.dim}", param="dimensions")
+        if request.dimensions is not None and request.dimensions > self.dim:
+            raise BadRequest(f"`dimensions` {request.dimensions} is above `{self.model_id}`'s {self.dim}: give at most "
+                             f"{self.dim} (the first `dimensions` values are kept)", param="dimensions")
         items = request.input
         if isinstance(items, str) or (isinstance(items, list) and items and isinstance(items[0], int)):
             items = [items]
@@ -73,19 +77,58 @@ class EmbeddingService(Service):
         rows = [r for r in items if isinstance(r, list)]
         if texts and rows:
             raise BadRequest("`input` mixes strings and token arrays", param="input")
+        limit = self._limit(request)
         if rows:
+            if request.prompt_name is not None:
+                raise BadRequest("`prompt_name` applies to text inputs, not token arrays", param="prompt_name")
             if any(not r for r in rows) or any(not 0 <= t < self.vocab for r in rows for t in r):
                 raise BadRequest(f"token arrays must be non-empty with ids in [0, {self.vocab})", param="input")
+            if limit is not None:
+                rows = [r[:limit] if request.truncate else r[-limit:] for r in rows]
         else:
-            rows = self.tokenize(texts)
+            texts = [self._prompt(request.prompt_name) + t for t in texts]
+            if limit is None:
+                rows = self.tokenize(texts)
+            else:
+                from trtserve.runtime.text import truncated_ids
+
+                try:
+                    rows = truncated_ids(self.tokenizer, texts, limit, "right" if request.truncate else "left")
+                except ValueError as exc:
+                    raise BadRequest(str(exc), param="truncate_prompt_tokens") from None
         if len(rows) > self.cfg.max_queue:
             raise BadRequest(f"`input` has {len(rows)} items; this server queues at most {self.cfg.max_queue} "
                              "(--max-queue): split the request", param="input")
         longest = max(map(len, rows))
         if longest > self.max_seq:
-            raise BadRequest(f"an input has {longest} tokens; this engine's limit is {self.max_seq} tokens",
-                             param="input", code="context_length_exceeded")
+            raise BadRequest(f"an input has {longest} tokens; this engine's limit is {self.max_seq} tokens (`truncate`: "
+                             "true or `truncate_prompt_tokens` cut it)", param="input", code="context_length_exceeded")
         return rows
+
+    def _limit(self, request: EmbeddingRequest) -> int | None:
+        """The longest row the request allows: `truncate` cuts to the engine's limit keeping the start (TEI);
+        `truncate_prompt_tokens` k keeps the last k tokens, -1 the engine's limit (vLLM)."""
+        k = request.truncate_prompt_tokens
+        if request.truncate and k is not None:
+            raise BadRequest("give `truncate` or `truncate_prompt_tokens`, not both", param="truncate_prompt_tokens")
+        if k is not None and (k == 0 or k > self.max_seq):
+            raise BadRequest(f"`truncate_prompt_tokens` must be -1 or 1..{self.max_seq} (the engine's limit), got {k}",
+                             param="truncate_prompt_tokens")
+        return self.max_seq if request.truncate or k == -1 else k
+
+    def _prompt(self, name: str | None) -> str:
+        if name is None:
+            return self.prompts.get(self.default_prompt, "") if self.default_prompt else ""
+        if name not in self.prompts:
+            known = ", ".join(sorted(self.prompts)) or "none: its config_sentence_transformers.json lists no prompts"
+            raise BadRequest(f"`prompt_name` {name!r} is not one of `{self.model_id}`'s prompts ({known})",
+                             param="prompt_name")
+        return self.prompts[name]
+
+    def _shorten(self, vector: np.ndarray, size: int) -> np.ndarray:
+        """Matryoshka: the first `size` values, normalized again where the model normalizes its vectors."""
+        vector = np.asarray(vector, np.float32)[:size]
+        return vector / max(float(np.linalg.norm(vector)), 1e-12) if self.normalizes else vector
 
     async def encode(self, rows: list[list[int]]) -> list:
         """Each row's result from the batcher (TextEngine.encode_ids), in order, within the request timeout."""
@@ -103,6 +146,8 @@ class EmbeddingService(Service):
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
         rows = await asyncio.to_thread(self.rows, request)  # tokenizing a 2 MB body must not stall the loop
         vectors = await self.encode(rows)
+        if request.dimensions is not None and request.dimensions < self.dim:
+            vectors = [self._shorten(v, request.dimensions) for v in vectors]
         data = [Embedding(index=i, embedding=_encode(v, request.encoding_format)) for i, v in enumerate(vectors)]
         tokens = sum(map(len, rows))
         return EmbeddingResponse(data=data, model=self.model_id, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))

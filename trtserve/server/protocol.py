@@ -37,6 +37,9 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, lt=INT64)
     user: Text | None = None
+    prompt_name: Text | None = None  # sentence-transformers / TEI: a prompt of the checkpoint, put before each text
+    truncate: bool = False  # TEI: cut inputs longer than the engine's limit (keeping their start)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, lt=INT64)  # vLLM: keep the last k tokens
 
 
 class Embedding(BaseModel):
