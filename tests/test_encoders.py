@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import require_package, run_cli
+from tests.conftest import run_cli
 from tests.server_process import start_server, stop_server
 
 pytestmark = pytest.mark.models

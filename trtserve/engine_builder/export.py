@@ -9,11 +9,13 @@ from trtserve.models.pooling import load_dense
 from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
+    SCORER_OUTPUTS,
     decoder_graph,
     decoder_input_names,
     decoder_output_names,
     encoder_graph,
     encoder_input_names,
+    scorer_graph,
 )
 
 OPSET = 20
@@ -30,7 +32,7 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
     """Write `out` (one self-contained .onnx file); return (input names, output names)."""
     import torch
 
-    if source.info.kind == "encoder":
+    if source.info.kind in ("encoder", "scorer"):
         module, args, names, outputs, shapes = _encoder_spec(source, model)
     else:
         _static_dynamic_rope(model)
@@ -75,6 +77,8 @@ def _encoder_spec(source: ModelSource, model):
         args.append(torch.zeros(batch, seq, dtype=torch.int64))
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
     shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
+    if source.info.kind == "scorer":
+        return scorer_graph(model), tuple(args), names, SCORER_OUTPUTS, shapes
     graph = encoder_graph(model, source.pooling, load_dense(source.path, source.pooling))
     return graph, tuple(args), names, ENCODER_OUTPUTS, shapes
 

@@ -21,7 +21,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"model       {model.id} ({model.family} {model.kind}, {arch.num_layers} layers, "
         f"hidden {arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} KV heads)",
         *_structure(arch),
-        *_pooling(m.pooling, model.kind),
+        *_pooling(m.pooling, model.kind, arch.num_labels),
         f"source      {model.source_path} (sha256 {model.source_sha256[:16]}...)",
         f"precision   {m.precision.policy}" + _graph(m.precision.graph or {}) + _search(m.precision.search),
         f"backend     {backend.name} {backend.onnxruntime_version} ({backend.chosen_because or ''})"
@@ -87,8 +87,11 @@ def _widened(report: dict) -> str:
     return f", widened because the gate missed with the {first} chosen on calibration text, where that mix measured "
 
 
-def _pooling(pooling, kind: str) -> list[str]:
+def _pooling(pooling, kind: str, labels: int | None = None) -> list[str]:
     """An encoder's vector: its pooling modes, Dense modules and Normalize, and where they were read."""
+    if kind == "scorer":
+        head = "one logit, scored as its sigmoid (raw_scores: the logit)" if labels == 1 else f"{labels} logits"
+        return [f"scores      cross-encoder, {head}; pairs on /v1/rerank, /rerank and /v1/score"]
     if kind != "encoder":
         return []
     if pooling is None:

@@ -38,7 +38,7 @@ def profiles_for(kind: str, shapes: Shapes, io: IO) -> list[Profile]:
     logits of one position per row; and, for the prompt's logprobs, one whose rows (at most
     PROMPT_LOGPROBS_BATCH) return every position, so that the logits buffer is sized for that
     batch, not for the largest batch times the longest prompt."""
-    if kind == "encoder":
+    if kind in ("encoder", "scorer"):
         plans = [("all", {"batch": shapes.batch, "sequence": shapes.sequence})]
     else:
         seq, past, total = shapes.sequence, shapes.past_sequence, shapes.total_sequence

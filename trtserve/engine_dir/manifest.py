@@ -69,6 +69,7 @@ class Architecture(Part):
     kind: str | None = None
     model_type: str | None = None
     intermediate_size: int | None = None  # parallel-track models
+    num_labels: int | None = None  # cross-encoders: the classification head's outputs
     sliding_windows: list[int | None] | None = None  # per layer: keys q - w < k <= q; None: full attention
     attn_softcap: float | None = None  # attention scores tanh(s / cap) * cap
     final_softcap: float | None = None  # logits tanh(l / cap) * cap
@@ -76,7 +77,7 @@ class Architecture(Part):
 
 class Model(Part):
     id: str
-    kind: str  # "encoder" | "decoder" | "parallel_track"
+    kind: str  # "encoder" | "decoder" | "scorer" | "parallel_track"
     source: str  # what `trtserve fidelity` resolves again: a bundled name or a path
     architecture: Architecture
     source_path: str | None = None

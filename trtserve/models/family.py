@@ -15,7 +15,7 @@ SUPPORTED = tuple(sorted(BY_MODEL_TYPE))  # the model types trtserve accepts
 @dataclass(frozen=True)
 class ModelInfo:
     family: str  # a module of models/families
-    kind: str  # "encoder" | "decoder"
+    kind: str  # "encoder" | "decoder" | "scorer" (an encoder with a sequence-classification head: a cross-encoder)
     model_type: str
     num_layers: int
     hidden_size: int
@@ -24,6 +24,7 @@ class ModelInfo:
     head_dim: int
     vocab_size: int
     max_positions: int
+    num_labels: int | None = None  # cross-encoders (kind "scorer"): the classification head's outputs
     sliding_windows: tuple[int | None, ...] | None = None  # per layer (None: full attention); None: no window
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -52,13 +53,17 @@ def detect(config: dict) -> ModelInfo:
         )
     family = BY_MODEL_TYPE[model_type]
     family.check(config)
+    kind, labels = family.kind, None
+    if kind == "encoder" and any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        kind = "scorer"  # a cross-encoder: a pair in, its classification head's logits out
+        labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     windows = family.windows(config)
     attn_cap, final_cap = family.softcaps(config)
     return ModelInfo(
         family=family.name,
-        kind=family.kind,
+        kind=kind,
         model_type=model_type,
         num_layers=int(config["num_hidden_layers"]),
         hidden_size=hidden,
@@ -67,6 +72,7 @@ def detect(config: dict) -> ModelInfo:
         head_dim=int(config.get("head_dim") or hidden // heads),
         vocab_size=int(config["vocab_size"]),
         max_positions=int(config["max_position_embeddings"]),
+        num_labels=labels,
         sliding_windows=windows if any(w is not None for w in windows) else None,
         attn_softcap=attn_cap,
         final_softcap=final_cap,

@@ -29,12 +29,12 @@ def load_torch_model(source: ModelSource, attention: str | None = None):
     """fp32, eval mode. `attention=None` uses trtserve's exported attention; "eager" gives HF's own."""
     quiet_libraries()
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from trtserve.models import attention as attn
 
     impl = attention or attn.register()
-    cls = AutoModelForCausalLM if source.info.kind == "decoder" else AutoModel
+    cls = {"decoder": AutoModelForCausalLM, "scorer": AutoModelForSequenceClassification}.get(source.info.kind, AutoModel)
     try:
         model = cls.from_pretrained(source.path, dtype=torch.float32, attn_implementation=impl)
     except (OSError, ValueError, RuntimeError) as exc:

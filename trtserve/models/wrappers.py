@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 ENCODER_OUTPUTS = ("last_hidden_state", "sentence_embedding")
+SCORER_OUTPUTS = ("logits",)  # a cross-encoder's classification logits (B, labels)
 
 
 def additive_mask(allowed):
@@ -44,6 +45,10 @@ def encoder_graph(model, pooling=None, dense=None):
     from trtserve.models.pooling import Pooling
 
     return _classes()[0](model, pooling or Pooling(("mean",), True), dense or []).eval()
+
+
+def scorer_graph(model):
+    return _classes()[2](model).eval()
 
 
 def decoder_graph(model, info=None):
@@ -168,4 +173,15 @@ def _classes():
                 presents += [layer.keys, layer.values]
             return (out.logits, *presents)
 
-    return EncoderGraph, DecoderGraph
+    class ScorerGraph(nn.Module):
+        """(input_ids, attention_mask[, token_type_ids]) of pairs -> the classification head's logits (B, L)."""
+
+        def __init__(self, model: nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            mask4d = additive_mask(attention_mask.bool()[:, None, None, :])
+            return self.model(input_ids=input_ids, attention_mask=mask4d, token_type_ids=token_type_ids).logits
+
+    return EncoderGraph, DecoderGraph, ScorerGraph

@@ -64,10 +64,10 @@ class Target:
         perplexity (logit cosines only guard against garbage), encoders by their embeddings' cosines."""
         if weights == "int8":
             return cls(min_cosine=0.9995, min_token_cosine=0.999, min_mean_cosine=0.9995, min_neighbours=0.95,
-                       max_flips=1) if kind == "encoder" else \
+                       max_flips=1) if kind != "decoder" else \
                 cls(min_cosine=0.995, min_token_cosine=0.95, min_top1=0.99, max_ppl_delta=0.01)
         if weights == "int4":
-            return cls(min_cosine=0.999, min_token_cosine=0.995) if kind == "encoder" else \
+            return cls(min_cosine=0.999, min_token_cosine=0.995) if kind != "decoder" else \
                 cls(min_cosine=0.98, min_token_cosine=0.8, min_top1=0.97, max_ppl_delta=0.03)
         # fp16 weights: decoders' top-1 as int8's (hybrid flips 0.6% of near-ties at batch 8 x 128 under
         # fp16 emulation), perplexity and cosines stricter
@@ -204,6 +204,10 @@ def _grid_rows(backend, kind: str, batch: int, length: int, seed: int) -> tuple[
 
 def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, wide: bool = True,
                    grid=()) -> dict:
+    """Encoders: token states and the pooled vector; scorers (cross-encoders): the head's logits, and the
+    ranking of real sentences against queries."""
+    scorer = backend.engine.manifest.model.kind == "scorer"
+    _encoder_case = _scorer_case if scorer else _vector_case
     cases = {}
     for length in lengths:
         batch = 4 if length <= 128 else 2
@@ -219,6 +223,8 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
         ids, mask = _grid_rows(backend, kind, batch, length, seed)
         cases[f"{name} {_label(kind, batch, length)}"] = {"input": kind,
                                                           **_encoder_case(backend, ref_model, ids, mask)}
+    if scorer:
+        return {"text": corpus.name, "cases": cases, "ranking": ranking_report(backend, ref_model, tokenizer)}
     return {"text": corpus.name, "cases": cases, "sentences": sentences_report(backend, ref_model, tokenizer)}
 
 
@@ -235,12 +241,58 @@ def pooled_reference(engine, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray
     return pool(pooling, hidden, mask, load_dense(Path(engine.manifest.model.source_path), pooling))
 
 
-def _encoder_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray) -> dict:
+def _scorer_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray) -> dict:
     import torch
 
+    feeds = _encoder_feeds(backend, ids, mask)
+    out = backend.infer(feeds)["logits"]
+    with torch.inference_mode():
+        ref = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
+    return {"batch": int(ids.shape[0]), "tokens": int(mask.sum()), "scores": compare(ref, out)}
+
+
+def _encoder_feeds(backend: Backend, ids: np.ndarray, mask: np.ndarray) -> dict:
     names = {spec.name for spec in backend.inputs}
     feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-    feeds = {k: v for k, v in feeds.items() if k in names}
+    return {k: v for k, v in feeds.items() if k in names}
+
+
+QUERIES = ("a warm and funny film worth seeing", "a dull, badly acted film")
+TOP = 10
+
+
+def ranking_report(backend: Backend, ref_model, tokenizer) -> dict:
+    """The labelled polarity sentences scored against two queries as pairs (query, sentence), batched and
+    padded: the largest score error, and how many of each query's top-10 sentences the engine keeps."""
+    import torch
+
+    from trtserve.data.sentiment import POLARITY_FILE, polarity
+
+    texts, _ = polarity()
+    names = {spec.name for spec in backend.inputs}
+    chunk = min(32, backend.engine.manifest.shapes.batch.max)
+    max_seq = backend.engine.manifest.shapes.sequence.max
+    worst_error, overlaps = 0.0, []
+    for query in QUERIES:
+        ours, ref = [], []
+        for i in range(0, len(texts), chunk):
+            enc = tokenizer([query] * len(texts[i:i + chunk]), texts[i:i + chunk], padding=True, truncation=True,
+                            max_length=max_seq, return_tensors="np")
+            feeds = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in names}
+            ours.append(backend.infer(feeds)["logits"][:, 0])
+            with torch.inference_mode():
+                ref.append(ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()[:, 0])
+        ours, ref = np.concatenate(ours).astype(np.float64), np.concatenate(ref).astype(np.float64)
+        worst_error = max(worst_error, float(np.abs(ours - ref).max()) if np.isfinite(ours).all() else float("inf"))
+        overlaps.append(len(set(np.argsort(-ours)[:TOP]) & set(np.argsort(-ref)[:TOP])) / TOP)
+    return {"data": f"{len(texts)} Pang & Lee polarity sentences ({POLARITY_FILE}, gensim) against {len(QUERIES)} "
+                    "queries", "max_score_error": worst_error, "top10_agreement": min(overlaps)}
+
+
+def _vector_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray) -> dict:
+    import torch
+
+    feeds = _encoder_feeds(backend, ids, mask)
     out = backend.infer(feeds)
     with torch.inference_mode():
         ref = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
@@ -402,13 +454,20 @@ def failures(report: dict, target: Target) -> list[str]:
                 out.append(f"{where}: cosine {m['cosine']:.6f} < {cosine_bound}")
             if not m["worst_row_cosine"] >= token_bound:
                 out.append(f"{where}: worst-token cosine {m['worst_row_cosine']:.6f} < {token_bound}")
-            encoder_tensor = name in ("hidden", "embedding")  # decoders are judged by top-1 and perplexity
+            encoder_tensor = name in ("hidden", "embedding", "scores")  # decoders are judged by top-1 and perplexity
             if encoder_tensor and target.max_abs_error is not None and not m["max_abs_error"] <= target.max_abs_error:
                 out.append(f"{where}: max abs error {m['max_abs_error']:.2e} > {target.max_abs_error:.0e}")
         if "top1_agreement" in case and not case["top1_agreement"] >= target.min_top1:
             out.append(f"{label}: top-1 agreement {case['top1_agreement']:.4f} < {target.min_top1}")
         if "perplexity_rel_delta" in case and not case["perplexity_rel_delta"] <= target.max_ppl_delta:
             out.append(f"{label}: perplexity delta {case['perplexity_rel_delta']:.2e} > {target.max_ppl_delta}")
+    ranking = report.get("ranking")
+    if ranking:
+        if target.max_abs_error is not None and not ranking["max_score_error"] <= max(target.max_abs_error, 1e-4):
+            out.append(f"ranking: score error {ranking['max_score_error']:.2e} > {max(target.max_abs_error, 1e-4):.0e}")
+        bound = target.min_neighbours if target.min_neighbours is not None else 0.9
+        if not ranking["top10_agreement"] >= bound:
+            out.append(f"ranking: top-10 agreement {ranking['top10_agreement']:.2f} < {bound}")
     sentences = report.get("sentences")
     if sentences:
         checks = [("mean_cosine", target.min_mean_cosine, "mean sentence cosine", True),

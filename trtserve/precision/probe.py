@@ -33,7 +33,7 @@ def probe_feeds(kind: str, ids: np.ndarray, input_names: list[str], past_shape=N
 
 def _token_rows(kind, source, tokenizer, corpus, count, length, rng):
     if kind == "real":
-        return np.array(corpus.rows(tokenizer, count, length, special=source.info.kind == "encoder"), np.int64)
+        return np.array(corpus.rows(tokenizer, count, length, special=source.info.kind != "decoder"), np.int64)
     special = set(tokenizer.all_special_ids)
     vocab = np.array([i for i in range(source.info.vocab_size) if i not in special])
     return rng.choice(vocab, size=(count, length)).astype(np.int64)

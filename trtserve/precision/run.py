@@ -30,7 +30,7 @@ class Harness:
         self.corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
         self.lengths = lengths_for(engine.manifest.shapes.sequence.max)
         self.kind = source.info.kind
-        self.report_fn = encoder_report if self.kind == "encoder" else decoder_report
+        self.report_fn = decoder_report if self.kind == "decoder" else encoder_report  # scorers: encoder_report
         self.grid_shapes = []  # (name, input, batch, length, seed) from --confirm-grid, measured with `wide`
         self.reference = load_torch_model(source, attention="eager")
         self.tokenizer = load_hf_tokenizer(source.path)
@@ -143,6 +143,10 @@ def summary(fidelity) -> str:
             text += f", top-1 {w['top1']:.2%}, ppl delta {w['ppl_delta']:.2e}"
         if "random_cosine" in w:
             text += f"; random ids: cos {w['random_cosine']:.6f}, worst-token cos {w['random_token_cosine']:.6f}"
+        ranking = run.get("ranking")
+        if ranking:
+            text += (f"; {ranking['data'].split(' (')[0]} as pairs: score error {ranking['max_score_error']:.2e}, "
+                     f"top-10 agreement {ranking['top10_agreement']:.0%}")
         sentences = run.get("sentences")
         if sentences:
             text += (f"; {sentences['data'].split(' (')[0]}: mean cos {sentences['mean_cosine']:.6f}, worst "

@@ -155,7 +155,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     info_kind = harness.kind
     names = [v.name for v in fp32_model.graph.input]
     length = min(probe_length, max(harness.lengths))
-    rows = np.array(harness.corpus.rows(harness.tokenizer, 4, length, special=info_kind == "encoder"), np.int64)
+    rows = np.array(harness.corpus.rows(harness.tokenizer, 4, length, special=info_kind != "decoder"), np.int64)
     past = None
     if info_kind == "decoder":
         spec = next(v for v in fp32_model.graph.input if v.name.startswith("past_key_values."))

@@ -69,6 +69,8 @@ class _Reference:
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
             if self.kind == "decoder":
                 return torch.log_softmax(out.logits, -1)
+            if self.kind == "scorer":  # a cross-encoder: the batch's scores as one vector (B rows -> 1 x B)
+                return out.logits.double().T
             return out.last_hidden_state.double().mean(1)
 
     def metrics(self, formats: dict, short: bool = False) -> dict:

@@ -267,7 +267,7 @@ class _Measured(_Blocked):
         weights, eight_bit = candidates(onnx.load(str(gate.fp32_graph)))
         try:
             rows = gate.harness.corpus.rows(gate.harness.tokenizer, CALIBRATION_ROWS, CALIBRATION_LENGTH,
-                                            special=kind == "encoder")
+                                            special=kind != "decoder")
         except ValueError as exc:
             raise TrtServeError(f"--calibration: {exc}; the {self.policy.name} policy measures each weight's "
                                 f"sensitivity on {CALIBRATION_ROWS} rows of {CALIBRATION_LENGTH} tokens") from None

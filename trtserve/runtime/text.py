@@ -75,6 +75,14 @@ def truncated_ids(tokenizer, texts: list[str], limit: int, direction: str) -> li
     return rows
 
 
+class Pair(list):
+    """A cross-encoder's row: the token ids of (query, document) joined by the tokenizer, and their token types."""
+
+    def __init__(self, ids, types):
+        super().__init__(ids)
+        self.types = list(types)
+
+
 class WithHidden(list):
     """A token-id row whose caller wants its last hidden state as well as its embedding (raw tensors
     over KServe v2); rows of both kinds share a batch."""
@@ -131,7 +139,12 @@ class TextEngine:
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self.input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)
+            for i, row in enumerate(rows):
+                if isinstance(row, Pair):
+                    feeds["token_type_ids"][i, : len(row)] = row.types
         outputs = self.backend.infer(feeds)
+        if "sentence_embedding" not in outputs:  # a cross-encoder: its head's logits (B, labels)
+            return outputs["logits"], None
         pooled = outputs["sentence_embedding"]
         if self.backend.engine.manifest.pooling is None:  # built before pooling was in the graph: mean, normalized here
             pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)

@@ -23,7 +23,7 @@ class TorchBackend:
         from trtserve.models.loading import load_torch_model
         from trtserve.models.pooling import load_dense
         from trtserve.models.sources import resolve
-        from trtserve.models.wrappers import decoder_graph, encoder_graph
+        from trtserve.models.wrappers import decoder_graph, encoder_graph, scorer_graph
 
         torch.set_num_threads(threads or available_cores())
         self.engine = engine
@@ -31,8 +31,12 @@ class TorchBackend:
         self.ranges = engine.manifest.shapes
         source = resolve(engine.manifest.model.source)
         model = load_torch_model(source)
-        self.module = decoder_graph(model, source.info) if source.info.kind == "decoder" else encoder_graph(
-            model, source.pooling, load_dense(source.path, source.pooling))
+        if source.info.kind == "decoder":
+            self.module = decoder_graph(model, source.info)
+        elif source.info.kind == "scorer":
+            self.module = scorer_graph(model)
+        else:
+            self.module = encoder_graph(model, source.pooling, load_dense(source.path, source.pooling))
         self._torch = torch
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -43,6 +47,7 @@ class TorchBackend:
             args.insert(3, self._torch.arange(feeds["input_ids"].shape[1]))
         with self._torch.inference_mode():
             values = self.module(*args)
+        values = (values,) if isinstance(values, self._torch.Tensor) else values  # one output: a scorer's logits
         return {spec.name: value.numpy() for spec, value in zip(self.outputs, values)}
 
     def close(self) -> None:

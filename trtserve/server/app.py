@@ -1,6 +1,7 @@
 """FastAPI application: the server's state, its lifespan (engines started and probed), OpenAI-shaped
 errors, and the Guard middleware (API key, body limit, request metrics). The routes are module-level
-routers: server/openai_routes.py (OpenAI, /health, /metrics), kserve.py (KServe v2), tokens.py."""
+routers: server/openai_routes.py (OpenAI, /health, /metrics), kserve.py (KServe v2), tokens.py,
+rerank_routes.py (cross-encoders)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
-    from trtserve.server import kserve, openai_routes, tokens
+    from trtserve.server import kserve, openai_routes, rerank_routes, tokens
     from trtserve.server.metrics import Metrics
     from trtserve.server.registry import Registry, plan
 
@@ -42,7 +43,7 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
 
     app = FastAPI(title="trtserve", lifespan=lifespan)
     app.state.serving = state  # the routes' state, and the running engines for hosts that embed the app (Ray)
-    routers = (openai_routes.router, kserve.router, tokens.router)
+    routers = (openai_routes.router, kserve.router, tokens.router, rerank_routes.router)
 
     def templates():  # every route with its path template (an included router is one opaque entry of app.routes)
         return [r for r in app.routes if hasattr(r, "path")] + [r for router in routers for r in router.routes]

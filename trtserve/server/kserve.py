@@ -123,6 +123,9 @@ async def infer(name: str, raw: Request, version: str | None = None):
     service = _engine(raw, name, version)
     body = _decoded(await raw.body(), raw.headers.get("content-encoding", ""), state.cfg.max_body_bytes)
     request, tensors = parse(body, raw.headers.get(HEADER_LENGTH))
+    if service.kind == "scorer":
+        raise BadRequest(f"model `{name}` is a cross-encoder: it scores pairs on /v1/rerank, /rerank and /v1/score, "
+                         "and does not serve KServe v2 `infer`")
     if service.kind != "encoder":
         raise BadRequest(f"model `{name}` is a decoder engine: it generates text on /v1/completions and "
                          "/v1/chat/completions, and does not serve KServe v2 `infer`")
@@ -157,8 +160,9 @@ def metadata(name: str, service) -> dict:
         return {"name": name, "versions": [VERSION], "platform": platform,
                 "inputs": described(io.inputs), "outputs": described(io.outputs)}
     return {"name": name, "versions": [VERSION], "platform": platform, "inputs": [], "outputs": [],
-            "parameters": {"kind": service.kind, "note": "generation is served on /v1/completions and "
-                           "/v1/chat/completions; infer is refused"}}
+            "parameters": {"kind": service.kind, "note": "pairs are scored on /v1/rerank, /rerank and /v1/score; "
+                           "infer is refused" if service.kind == "scorer" else "generation is served on "
+                           "/v1/completions and /v1/chat/completions; infer is refused"}}
 
 
 def _decoded(body: bytes, encoding: str, limit: int) -> bytes:

@@ -28,6 +28,9 @@ async def embeddings(request: EmbeddingRequest, raw: Request):
     if service.kind == "decoder":
         raise BadRequest(f"`{service.model_id}` is a decoder engine: it serves /v1/completions and "
                          "/v1/chat/completions; embeddings need an encoder", param="model")
+    if service.kind == "scorer":
+        raise BadRequest(f"`{service.model_id}` is a cross-encoder: it scores pairs on /v1/rerank, /rerank and "
+                         "/v1/score; embeddings need an encoder", param="model")
     return await unless_disconnected(raw, service.embed(request), state.metrics)
 
 
@@ -76,7 +79,8 @@ def _generator(registry, request):
         log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
     service = registry.get(request.model)
     if getattr(service, "kind", "encoder") != "decoder":
-        raise BadRequest(f"`{service.model_id}` is an encoder engine: it serves /v1/embeddings, not generation",
+        routes = "/v1/rerank, /rerank and /v1/score" if service.kind == "scorer" else "/v1/embeddings"
+        raise BadRequest(f"`{service.model_id}` is an encoder engine: it serves {routes}, not generation",
                          param="model")
     return service
 

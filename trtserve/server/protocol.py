@@ -194,3 +194,68 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: Text
+
+
+class RerankRequest(_Request):
+    """POST /v1/rerank and /rerank: Cohere's and Jina's shape as vLLM serves it (`documents`), or TEI's
+    (`texts`, `raw_scores`, `return_text`); exactly one of the two lists."""
+    model: Text | None = None
+    query: Text
+    documents: list[Text | Document] | None = None
+    texts: list[Text] | None = None
+    top_n: int | None = Field(default=None, ge=1, lt=INT64)
+    return_documents: bool = True
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool = False
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: Document | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class TeiRank(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class ScoreRequest(_Request):
+    """POST /v1/score (vLLM): text_1 against text_2, one to one, one to many or many to many (same length)."""
+    model: Text | None = None
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+    truncate: bool = False
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: Usage

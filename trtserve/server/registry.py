@@ -90,7 +90,8 @@ class Registry:
 
 
 def make_service(cfg: ServerConfig, metrics):
-    """The embeddings service for an encoder engine, the generation service for a decoder."""
+    """The embeddings service for an encoder engine, the scoring service for a cross-encoder, the generation
+    service for a decoder."""
     from trtserve.engine_dir import open_engine_dir
     from trtserve.server.tracks import TrackGenerationService, check_tracks_option
 
@@ -103,6 +104,10 @@ def make_service(cfg: ServerConfig, metrics):
         from trtserve.server.generation import GenerationService
 
         return GenerationService(cfg, metrics)
+    if kind == "scorer":
+        from trtserve.server.scoring import ScoreService
+
+        return ScoreService(cfg, metrics)
     from trtserve.server.embeddings import EmbeddingService
 
     return EmbeddingService(cfg, metrics)
