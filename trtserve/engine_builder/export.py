@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trtserve.models.pooling import load_dense
 from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
@@ -13,9 +12,9 @@ from trtserve.models.wrappers import (
     decoder_graph,
     decoder_input_names,
     decoder_output_names,
-    encoder_graph,
     encoder_input_names,
     scorer_graph,
+    source_encoder_graph,
 )
 
 OPSET = 20
@@ -79,8 +78,7 @@ def _encoder_spec(source: ModelSource, model):
     shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
     if source.info.kind == "scorer":
         return scorer_graph(model), tuple(args), names, SCORER_OUTPUTS, shapes
-    graph = encoder_graph(model, source.pooling, load_dense(source.path, source.pooling))
-    return graph, tuple(args), names, ENCODER_OUTPUTS, shapes
+    return source_encoder_graph(model, source), tuple(args), names, ENCODER_OUTPUTS, shapes
 
 
 def _decoder_spec(source: ModelSource, model):

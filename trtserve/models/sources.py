@@ -13,7 +13,7 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trtserve.errors import ModelSourceError
@@ -145,6 +145,10 @@ def resolve(model: str) -> ModelSource:
     _check_weights(path)
     _check_tokenizer(path)
     ref = model if (model in BUNDLED or is_hub_id(model)) else str(gguf or path.absolute())
+    if info.kind == "decoder" and (path / "modules.json").is_file():
+        # a decoder checkpoint that sentence-transformers uses as an embedder (Qwen3-Embedding: last-token
+        # pooling): served as an encoder with causal attention
+        info = replace(info, kind="encoder")
     pooling = read_pooling(path) if info.kind == "encoder" else None
     return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf, ref=ref,
                        pooling=pooling)

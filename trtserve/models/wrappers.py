@@ -40,11 +40,22 @@ def decoder_output_names(num_layers: int) -> list[str]:
     return names
 
 
-def encoder_graph(model, pooling=None, dense=None):
-    """`pooling` (models.pooling.Pooling; None: mean, normalized) and its Dense modules' (weight, bias)."""
+def encoder_graph(model, pooling=None, dense=None, causal: bool = False):
+    """`pooling` (models.pooling.Pooling; None: mean, normalized) and its Dense modules' (weight, bias);
+    `causal`: a decoder family used as an embedder attends to earlier tokens only."""
     from trtserve.models.pooling import Pooling
 
-    return _classes()[0](model, pooling or Pooling(("mean",), True), dense or []).eval()
+    return _classes()[0](model, pooling or Pooling(("mean",), True), dense or [], causal).eval()
+
+
+def source_encoder_graph(model, source):
+    """The encoder graph of a checkpoint (models.sources.ModelSource): its pooling, Dense weights, and causal
+    attention where its family is a decoder's."""
+    from trtserve.models.families import by_name
+    from trtserve.models.pooling import load_dense
+
+    return encoder_graph(model, source.pooling, load_dense(source.path, source.pooling),
+                         causal=by_name(source.info.family).kind == "decoder")
 
 
 def scorer_graph(model):
@@ -71,9 +82,9 @@ def _classes():
         """(input_ids, attention_mask[, token_type_ids]) -> (last_hidden_state, sentence_embedding): the
         checkpoint's pooling modes concatenated, its Dense modules, its Normalize (models.pooling)."""
 
-        def __init__(self, model: nn.Module, pooling, dense):
+        def __init__(self, model: nn.Module, pooling, dense, causal: bool = False):
             super().__init__()
-            self.model = model
+            self.model, self.causal = model, causal
             self.modes, self.normalize = pooling.modes, pooling.normalize
             self.activations = [d.activation for d in pooling.dense]
             self.dense = nn.ModuleList()
@@ -86,10 +97,12 @@ def _classes():
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):
             keep = attention_mask.bool()  # (B, S)
-            mask4d = additive_mask(keep[:, None, None, :])  # (B, 1, 1, S)
-            hidden = self.model(
-                input_ids=input_ids, attention_mask=mask4d, token_type_ids=token_type_ids
-            ).last_hidden_state  # (B, S, H)
+            allowed = keep[:, None, None, :]  # (B, 1, 1, S)
+            if self.causal:  # right padding: real tokens are positions 0..n-1, as the model counts them
+                seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+                allowed = allowed & (seq[None, :] <= seq[:, None])[None, None]  # (B, 1, S, S)
+            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+            hidden = self.model(input_ids=input_ids, attention_mask=additive_mask(allowed), **extra).last_hidden_state
             return hidden, self.pool(hidden, keep)
 
         def pool(self, hidden, keep):

@@ -21,9 +21,8 @@ class TorchBackend:
         import torch
 
         from trtserve.models.loading import load_torch_model
-        from trtserve.models.pooling import load_dense
         from trtserve.models.sources import resolve
-        from trtserve.models.wrappers import decoder_graph, encoder_graph, scorer_graph
+        from trtserve.models.wrappers import decoder_graph, scorer_graph, source_encoder_graph
 
         torch.set_num_threads(threads or available_cores())
         self.engine = engine
@@ -36,7 +35,7 @@ class TorchBackend:
         elif source.info.kind == "scorer":
             self.module = scorer_graph(model)
         else:
-            self.module = encoder_graph(model, source.pooling, load_dense(source.path, source.pooling))
+            self.module = source_encoder_graph(model, source)
         self._torch = torch
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
