@@ -57,6 +57,11 @@ def test_sliding_windows_per_layer_follow_transformers_defaults(model_type, fiel
     assert detect(_config(model_type, **fields)).sliding_windows == windows
 
 
+def test_roberta_positions_start_after_the_padding_index():
+    config = {**LLAMA, "model_type": "xlm-roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+    assert detect(config).max_positions == 512  # ids 2..513 of the 514-row table
+
+
 def test_soft_caps_are_read_where_the_family_has_them():
     info = detect(_config("gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
     assert (info.attn_softcap, info.final_softcap) == (50.0, 30.0)

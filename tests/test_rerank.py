@@ -117,6 +117,8 @@ def test_score_pairs_one_to_many_and_many_to_many(cross_encoder):
     ("/rerank", {"query": QUERY, "texts": [" ".join(["word"] * 100)]}, "texts"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/v1/rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("/rerank", {"query": " ".join(["word"] * 80), "texts": ["a"], "truncate": True}, "query"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(cross_encoder, path, body, field):
     url = cross_encoder[2]

@@ -505,9 +505,11 @@ def check_kv(tmp: Path, manifest) -> dict:
     got = np.stack(steps, 1)  # (rows, steps, V)
     backend = OrtBackend(engine, threads=2)
     worst = 0.0
-    for i, p in enumerate(prompts):
-        forced = got[i].argmax(-1)[None]
-        _, want = generate.greedy(backend, p[None], np.ones((1, len(p)), np.int64), CHECK_STEPS, forced=forced)
-        worst = max(worst, float(np.abs(got[i] - want[0]).max() / np.abs(want[0]).max()))
-    backend.close()
+    try:
+        for i, p in enumerate(prompts):
+            forced = got[i].argmax(-1)[None]
+            _, want = generate.greedy(backend, p[None], np.ones((1, len(p)), np.int64), CHECK_STEPS, forced=forced)
+            worst = max(worst, float(np.abs(got[i] - want[0]).max() / np.abs(want[0]).max()))
+    finally:
+        backend.close()
     return {"prompts": list(CHECK_LENGTHS), "steps": CHECK_STEPS, "max_relative_difference": worst}

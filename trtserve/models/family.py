@@ -60,6 +60,9 @@ def detect(config: dict) -> ModelInfo:
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     windows = family.windows(config)
+    positions = int(config["max_position_embeddings"])
+    if family.positions_after_padding:  # RoBERTa: position ids start at pad_token_id + 1
+        positions -= int(config.get("pad_token_id") or 0) + 1
     attn_cap, final_cap = family.softcaps(config)
     return ModelInfo(
         family=family.name,
@@ -71,7 +74,7 @@ def detect(config: dict) -> ModelInfo:
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads),
         vocab_size=int(config["vocab_size"]),
-        max_positions=int(config["max_position_embeddings"]),
+        max_positions=positions,
         num_labels=labels,
         sliding_windows=windows if any(w is not None for w in windows) else None,
         attn_softcap=attn_cap,

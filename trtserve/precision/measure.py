@@ -248,7 +248,8 @@ def _scorer_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray)
     out = backend.infer(feeds)["logits"]
     with torch.inference_mode():
         ref = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
-    return {"batch": int(ids.shape[0]), "tokens": int(mask.sum()), "scores": compare(ref, out)}
+    # one row per label holding the batch's scores: a row of one logit would only compare signs
+    return {"batch": int(ids.shape[0]), "tokens": int(mask.sum()), "scores": compare(ref.T, out.T)}
 
 
 def _encoder_feeds(backend: Backend, ids: np.ndarray, mask: np.ndarray) -> dict:

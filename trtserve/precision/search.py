@@ -23,6 +23,10 @@ SEARCH_MAX_LENGTH = 512  # the bisection runs on lengths up to this; the result 
 CLASS_ORDER = {"attention_mask": 0, "rotary": 1, "rmsnorm": 2, "LayerNormalization": 2, "Softmax": 3}
 
 
+class Unmet(RuntimeError):
+    """Even with every candidate unit in fp32 the target is missed."""
+
+
 @dataclass(frozen=True)
 class Unit:
     label: str
@@ -108,7 +112,7 @@ def _beyond_candidates(model, ranges, units: list[Unit], everywhere, last: dict)
         f"the {len(gemms)} fp16 GEMMs join the candidates")
     try:
         policy, more, k = auto_policy(model, units + gemms, everywhere, start=len(units))
-    except RuntimeError:
+    except Unmet:
         raise TrtServeError(f"auto: no fp32 node set meets the fidelity target on every shape: "
                             f"{'; '.join(last['report']['failures'][:3])}. Use --precision hybrid or fp32, "
                             "or relax --fidelity-target") from None
@@ -133,7 +137,7 @@ def auto_policy(model, units: list[Unit], passes, start: int = 0) -> tuple[Polic
     if start == 0 and check(0):
         return policy_for(0), log, 0
     if not check(len(units)):
-        raise RuntimeError("even with every candidate in fp32 the target is missed")
+        raise Unmet("even with every candidate in fp32 the target is missed")
     low, high = start, len(units)  # check(low) fails, check(high) passes
     while high - low > 1:
         mid = (low + high) // 2
@@ -177,7 +181,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
         policy, log, k = auto_policy(fp32_model, units, lambda p: harness.emulated(
             fp32_model, p, decode=False, lengths=short, wide=False)["passed"])
         missed = harness.emulated(fp32_model, policy, decode=False)["failures"]
-    except RuntimeError:  # every candidate fp32 misses on the short real text already: go on to all shapes
+    except Unmet:  # every candidate fp32 misses on the short real text already: go on to all shapes
         log, k = [], len(units)
         missed = [f"every candidate unit in fp32 misses on real text up to {max(short)} tokens"]
     via_hybrid = False
@@ -192,7 +196,7 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
 
         try:
             policy, more, k = auto_policy(fp32_model, units, everywhere, start=k)
-        except RuntimeError:  # every candidate fp32 still misses: hybrid's set, then the fp16 GEMMs
+        except Unmet:  # every candidate fp32 still misses: hybrid's set, then the fp16 GEMMs
             log.append({"units_fp32": len(units), "nodes_fp32": len(policy_with(units, len(units)).fp32_nodes),
                         "passed": False})
             policy, more, k, units, via_hybrid = _beyond_candidates(fp32_model, ranges, units, everywhere, last)

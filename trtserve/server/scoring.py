@@ -35,9 +35,10 @@ class ScoreService(EmbeddingService):
         super().__init__(cfg, metrics)
         self.labels = self.manifest.model.architecture.num_labels or 1
 
-    def pairs(self, query_texts: list[str], documents: list[str], truncate: bool, field: str) -> list:
+    def pairs(self, query_texts: list[str], documents: list[str], truncate: bool, field: str,
+              query_field: str) -> list:
         """Each (query, document) as one row with its token types; a pair over the engine's limit is a 400 naming
-        the item, unless `truncate` cuts the document to fit."""
+        the item, unless `truncate` cuts the document to fit (a query that leaves no room is a 400 naming it)."""
         from trtserve.runtime.text import Pair
 
         if self.labels != 1:
@@ -45,7 +46,9 @@ class ScoreService(EmbeddingService):
                              "cross-encoder", param="model")
         if not documents:
             raise BadRequest(f"`{field}` is empty: give at least one text", param=field)
-        if any(not d for d in documents) or any(not q for q in query_texts):
+        if any(not q for q in query_texts):
+            raise BadRequest(f"`{query_field}` is an empty string", param=query_field)
+        if any(not d for d in documents):
             raise BadRequest(f"`{field}` contains an empty string", param=field)
         if len(documents) > self.cfg.max_queue:
             raise BadRequest(f"`{field}` has {len(documents)} items; this server queues at most {self.cfg.max_queue} "
@@ -56,8 +59,12 @@ class ScoreService(EmbeddingService):
         rows = []
         for i, (query, doc) in enumerate(zip(queries, docs)):
             room = self.max_seq - special - len(query.ids)
+            if room < 1:
+                raise BadRequest(f"`{query_field}` has {len(query.ids)} tokens: with the special tokens and at least one "
+                                 f"token of each document it is over this engine's limit of {self.max_seq}",
+                                 param=query_field, code="context_length_exceeded")
             if len(doc.ids) > room:
-                if not truncate or room < 1:
+                if not truncate:
                     raise BadRequest(f"`{field}`[{i}] makes a pair of {len(query.ids) + len(doc.ids) + special} tokens; "
                                      f"this engine's limit is {self.max_seq} (`truncate`: true cuts the document)",
                                      param=field, code="context_length_exceeded")
@@ -78,7 +85,7 @@ class ScoreService(EmbeddingService):
         tei = request.texts is not None
         texts = request.texts if tei else [d.text if isinstance(d, Document) else d for d in request.documents]
         field = "texts" if tei else "documents"
-        rows = await asyncio.to_thread(self.pairs, [request.query] * len(texts), texts, request.truncate, field)
+        rows = await asyncio.to_thread(self.pairs, [request.query] * len(texts), texts, request.truncate, field, "query")
         scores = await self.scores(rows, raw=request.raw_scores and tei)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[: request.top_n]
         if tei:
@@ -98,7 +105,7 @@ class ScoreService(EmbeddingService):
         elif len(first) != len(second):
             raise BadRequest(f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, or as "
                              "many as `text_2`", param="text_1")
-        rows = await asyncio.to_thread(self.pairs, first, second, request.truncate, "text_2")
+        rows = await asyncio.to_thread(self.pairs, first, second, request.truncate, "text_2", "text_1")
         scores = await self.scores(rows, raw=False)
         tokens = sum(map(len, rows))
         return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id,

@@ -44,6 +44,8 @@ class Family:
     softcaps: Callable[[dict], tuple[float | None, float | None]] = _no_caps
     # True where the model takes a {layer type: mask} dict (a model with sliding and full layers)
     masks_by_layer_type: bool = False
+    # RoBERTa counts positions from padding_idx + 1: that many rows of the position table are never a token's
+    positions_after_padding: bool = False
     notes: tuple[str, ...] = field(default=())
 
     def check(self, config: dict) -> None:
@@ -87,7 +89,7 @@ def from_max_window_layers(config: dict) -> tuple[int | None, ...]:
     if not config.get("use_sliding_window"):
         return (None,) * int(config["num_hidden_layers"])
     if not config.get("layer_types"):
-        start = int(config.get("max_window_layers", 0))
+        start = int(config.get("max_window_layers", 28))  # transformers' default
         config = dict(config, layer_types=["sliding_attention" if i >= start else "full_attention"
                                            for i in range(int(config["num_hidden_layers"]))])
     return layer_windows(config)

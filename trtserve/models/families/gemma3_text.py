@@ -7,7 +7,7 @@ from trtserve.models.families.gemma2 import softcaps
 
 
 def _windows(config: dict) -> tuple[int | None, ...]:
-    return layer_windows(config, pattern=int(config.get("sliding_window_pattern", 6)))
+    return layer_windows(config, pattern=int(config.get("sliding_window_pattern") or 6))
 
 
 FAMILY = Family(name="gemma3_text", model_types=("gemma3_text",), kind="decoder", norm="rms(1+w)", norms_per_layer=4,

@@ -5,4 +5,4 @@ inside the graph) and one token type."""
 from trtserve.models.families import Family
 
 FAMILY = Family(name="roberta", model_types=("roberta", "xlm-roberta"), kind="encoder", norm="layer", biases="all",
-                activation="gelu")
+                activation="gelu", positions_after_padding=True)
