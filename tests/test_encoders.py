@@ -22,6 +22,18 @@ PROMPTS = {"prompts": {"query": "query: ", "passage": "passage: "}, "default_pro
 TEXTS = ["A short one.", "The cat sat on the mat while the dog slept by the fire all afternoon.", "Paris"]
 
 
+def _modules(folder, pooling: dict, *modules: str) -> None:
+    """1_Pooling/config.json, and modules.json listing the Transformer and then `modules` (Pooling, Dense,
+    Normalize), as sentence-transformers saves them."""
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    paths = {"Pooling": "1_Pooling", "Dense": "2_Dense", "Normalize": "3_Normalize"}
+    entries = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    entries += [{"idx": i, "name": str(i), "path": paths[m], "type": f"sentence_transformers.models.{m}"}
+                for i, m in enumerate(modules, 1)]
+    (folder / "modules.json").write_text(json.dumps(entries))
+
+
 def _serve(folder, engine, *flags):
     result = run_cli("build-engine", str(folder), "--out", str(engine), "--max-seq", "64", "--max-batch", "8", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -38,12 +50,8 @@ def minilm_cls(minilm_dir, tmp_path_factory):
     for item in minilm_dir.iterdir():
         if item.is_file() and item.name not in ("modules.json", "config_sentence_transformers.json"):
             (folder / item.name).symlink_to(item)
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 384, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    _modules(folder, {"word_embedding_dimension": 384, "pooling_mode_cls_token": True,
+                      "pooling_mode_mean_tokens": False}, "Pooling")
     (folder / "config_sentence_transformers.json").write_text(json.dumps(PROMPTS))
     proc, url, name = _serve(folder, root / "engine")
     yield folder, root / "engine", url, name
@@ -73,13 +81,7 @@ def tiny_xlmr(minilm_dir, tmp_path_factory):
         {"in_features": 64, "out_features": 32, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
     save_file({"linear.weight": rng.normal(0, 0.2, (32, 64)).astype(np.float32),
                "linear.bias": rng.normal(0, 0.2, 32).astype(np.float32)}, str(folder / "2_Dense" / "model.safetensors"))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
-        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    _modules(folder, {"pooling_mode_mean_tokens": True}, "Pooling", "Dense", "Normalize")
     proc, url, name = _serve(folder, root / "engine")
     yield folder, root / "engine", url, name
     stop_server(proc)
@@ -96,12 +98,7 @@ def qwen3_embedder(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qwen3-embedder")
     folder = shutil.copytree(make("qwen3", root / "made", resolve("SmolLM2-135M-Instruct").path), root / "checkpoint")
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    _modules(folder, {"pooling_mode_lasttoken": True}, "Pooling", "Normalize")
     proc, url, name = _serve(folder, root / "engine")
     yield folder, root / "engine", url, name
     stop_server(proc)
