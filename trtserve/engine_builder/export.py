@@ -9,12 +9,10 @@ from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
     SCORER_OUTPUTS,
-    decoder_graph,
     decoder_input_names,
     decoder_output_names,
     encoder_input_names,
-    scorer_graph,
-    source_encoder_graph,
+    graph_for,
 )
 
 OPSET = 20
@@ -76,9 +74,8 @@ def _encoder_spec(source: ModelSource, model):
         args.append(torch.zeros(batch, seq, dtype=torch.int64))
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
     shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
-    if source.info.kind == "scorer":
-        return scorer_graph(model), tuple(args), names, SCORER_OUTPUTS, shapes
-    return source_encoder_graph(model, source), tuple(args), names, ENCODER_OUTPUTS, shapes
+    outputs = SCORER_OUTPUTS if source.info.kind == "scorer" else ENCODER_OUTPUTS
+    return graph_for(model, source), tuple(args), names, outputs, shapes
 
 
 def _decoder_spec(source: ModelSource, model):
@@ -105,7 +102,7 @@ def _decoder_spec(source: ModelSource, model):
         "past": tuple({0: Dim.AUTO, 2: Dim.AUTO} for _ in range(2 * info.num_layers)),
     }
     names = decoder_input_names(info.num_layers)
-    return decoder_graph(model, info), tuple(args), names, decoder_output_names(info.num_layers), shapes
+    return graph_for(model, source), tuple(args), names, decoder_output_names(info.num_layers), shapes
 
 
 def _rename_dims(path: Path, past_dims: bool) -> None:

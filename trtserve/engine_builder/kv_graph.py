@@ -9,7 +9,8 @@ Concat of past and new, matmul-softmax-matmul), never by names, and checked agai
 before it is kept. The families' variations are found the same way: per-head q/k norms (a reshape of the
 normed heads is added), biases and fused projections (whatever produces q, k and v), partial rotary, a
 soft-cap's tanh chain on the scores (the node's softcap), one cos/sin table per rotary base; sliding
-windows come from the manifest's per-layer windows (local_window_size). Its contract, per sequence slot b of the buffers (slots, Hkv, capacity, D):
+windows come from the manifest's per-layer windows (local_window_size).
+Its contract, per sequence slot b of the buffers (slots, Hkv, capacity, D):
   input_ids (B, S)       new tokens, right-padded: rows [0, query_seqlens[b]) are real
   query_seqlens (B,)     new tokens of row b this call (0: the row is idle, its cache unchanged)
   seqlens_k (B,)         tokens in row b's cache after this call, minus one
@@ -206,8 +207,8 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
     if _attr(probs, "axis", -1) != -1:
         raise NotLowered(f"{what}: softmax is not over the keys")
     masked = g.node(probs.input[0], "Add", what + " mask")
-    if g.node(next((t for t in masked.input if g.producer.get(t) is not None and g.producer[t].op_type == "Reshape"),
-                   masked.input[0]), "Reshape", what + " mask").input[0] != scores:
+    reshaped = [g.producer.get(t) for t in masked.input]
+    if not any(r is not None and r.op_type == "Reshape" and r.input[0] == scores for r in reshaped):
         raise NotLowered(f"{what}: the softmax does not read the scaled scores plus a mask")
     out = pv[0].output[0]
     for op in ("Reshape", "Transpose", "Reshape"):

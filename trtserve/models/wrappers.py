@@ -40,20 +40,24 @@ def decoder_output_names(num_layers: int) -> list[str]:
     return names
 
 
-def encoder_graph(model, pooling=None, dense=None, causal: bool = False):
-    """`pooling` (models.pooling.Pooling; None: mean, normalized) and its Dense modules' (weight, bias);
-    `causal`: a decoder family used as an embedder attends to earlier tokens only."""
-    from trtserve.models.pooling import Pooling
-
-    return _classes()[0](model, pooling or Pooling(("mean",), True), dense or [], causal).eval()
+def encoder_graph(model, pooling, dense: list, causal: bool = False):
+    """`pooling` (models.pooling.Pooling) and its Dense modules' (weight, bias); `causal`: a decoder family used
+    as an embedder attends to earlier tokens only."""
+    return _classes()[0](model, pooling, dense, causal).eval()
 
 
-def source_encoder_graph(model, source):
-    """The encoder graph of a checkpoint (models.sources.ModelSource): its pooling, Dense weights, and causal
-    attention where its family is a decoder's."""
+def graph_for(model, source):
+    """The graph module of a checkpoint (models.sources.ModelSource) by its kind: a decoder's (its windows), a
+    cross-encoder's, or an encoder's (its pooling and Dense weights, causal attention where its family is a
+    decoder's). The exporter traces it; the torch backend runs it."""
     from trtserve.models.families import by_name
     from trtserve.models.pooling import load_dense
 
+    kind = source.info.kind
+    if kind == "decoder":
+        return decoder_graph(model, source.info)
+    if kind == "scorer":
+        return scorer_graph(model)
     return encoder_graph(model, source.pooling, load_dense(source.path, source.pooling),
                          causal=by_name(source.info.family).kind == "decoder")
 
@@ -62,14 +66,12 @@ def scorer_graph(model):
     return _classes()[2](model).eval()
 
 
-def decoder_graph(model, info=None):
+def decoder_graph(model, info):
     """`info` (models.family.ModelInfo) gives the layers' sliding windows and whether the model takes a
     {"full_attention": mask, "sliding_attention": mask} dict (models.families) rather than one mask."""
     from trtserve.models.families import by_name
 
-    windows = info.sliding_windows if info is not None else None
-    by_layer_type = info is not None and by_name(info.family).masks_by_layer_type
-    return _classes()[1](model, windows, by_layer_type).eval()
+    return _classes()[1](model, info.sliding_windows, by_name(info.family).masks_by_layer_type).eval()
 
 
 @lru_cache(maxsize=1)
@@ -82,7 +84,7 @@ def _classes():
         """(input_ids, attention_mask[, token_type_ids]) -> (last_hidden_state, sentence_embedding): the
         checkpoint's pooling modes concatenated, its Dense modules, its Normalize (models.pooling)."""
 
-        def __init__(self, model: nn.Module, pooling, dense, causal: bool = False):
+        def __init__(self, model: nn.Module, pooling, dense, causal: bool):
             super().__init__()
             self.model, self.causal = model, causal
             self.modes, self.normalize = pooling.modes, pooling.normalize
@@ -142,7 +144,7 @@ def _classes():
         on the K positions only: a prefill of S tokens no longer computes S vocabulary rows.
         """
 
-        def __init__(self, model: nn.Module, windows=None, by_layer_type: bool = False):
+        def __init__(self, model: nn.Module, windows, by_layer_type: bool):
             super().__init__()
             self.model = model
             found = {w for w in windows or () if w is not None}

@@ -8,6 +8,7 @@ harness gives fp32 parity (strict thresholds) and mixed-precision fidelity (the 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -207,7 +208,7 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
     """Encoders: token states and the pooled vector; scorers (cross-encoders): the head's logits, and the
     ranking of real sentences against queries."""
     scorer = backend.engine.manifest.model.kind == "scorer"
-    _encoder_case = _scorer_case if scorer else _vector_case
+    case = _scorer_case if scorer else _vector_case
     cases = {}
     for length in lengths:
         batch = 4 if length <= 128 else 2
@@ -215,14 +216,14 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
         mask = np.ones_like(ids)
         mask[1, length - length // 4:] = 0  # row 1 right-padded: covers padding masks
         ids[1, length - length // 4:] = tokenizer.pad_token_id or 0
-        cases[f"seq{length}"] = _encoder_case(backend, ref_model, ids, mask)
+        cases[f"seq{length}"] = case(backend, ref_model, ids, mask)
     for kind, batch, length in wide_shapes(lengths, backend.engine.manifest.shapes.batch.max) if wide else ():
         ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=False)
-        cases[_label(kind, batch, length)] = {"input": kind, **_encoder_case(backend, ref_model, ids, mask)}
+        cases[_label(kind, batch, length)] = {"input": kind, **case(backend, ref_model, ids, mask)}
     for name, kind, batch, length, seed in grid:
         ids, mask = _grid_rows(backend, kind, batch, length, seed)
         cases[f"{name} {_label(kind, batch, length)}"] = {"input": kind,
-                                                          **_encoder_case(backend, ref_model, ids, mask)}
+                                                          **case(backend, ref_model, ids, mask)}
     if scorer:
         return {"text": corpus.name, "cases": cases, "ranking": ranking_report(backend, ref_model, tokenizer)}
     return {"text": corpus.name, "cases": cases, "sentences": sentences_report(backend, ref_model, tokenizer)}
@@ -231,14 +232,22 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
 def pooled_reference(engine, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """What the engine's graph should output as sentence_embedding, computed in numpy from the reference's
     token states (models.pooling.pool); an engine built before pooling was in the graph: the plain mean."""
-    from pathlib import Path
-
-    from trtserve.models.pooling import Pooling, from_manifest, load_dense, pool
+    from trtserve.models.pooling import Pooling, from_manifest, pool
 
     if engine.manifest.pooling is None:
         return pool(Pooling(("mean",), False), hidden, mask)
     pooling = from_manifest(engine.manifest.pooling)
-    return pool(pooling, hidden, mask, load_dense(Path(engine.manifest.model.source_path), pooling))
+    return pool(pooling, hidden, mask, _dense_weights(engine.manifest.model.source_path, pooling.dense))
+
+
+@lru_cache(maxsize=4)
+def _dense_weights(source_path: str, dense: tuple) -> list:
+    """A checkpoint's Dense modules' weights, read once for all the cases of its fidelity runs."""
+    from pathlib import Path
+
+    from trtserve.models.pooling import Pooling, load_dense
+
+    return load_dense(Path(source_path), Pooling(("mean",), False, dense))
 
 
 def _scorer_case(backend: Backend, ref_model, ids: np.ndarray, mask: np.ndarray) -> dict:
@@ -258,6 +267,18 @@ def _encoder_feeds(backend: Backend, ids: np.ndarray, mask: np.ndarray) -> dict:
     return {k: v for k, v in feeds.items() if k in names}
 
 
+def _tokenized_chunks(backend: Backend, tokenizer, *columns: list[str]):
+    """Feeds of the texts (two columns: pairs), up to 32 rows at a time, each chunk padded to its longest row
+    and cut to the engine's limit."""
+    names = {spec.name for spec in backend.inputs}
+    chunk = min(32, backend.engine.manifest.shapes.batch.max)
+    max_seq = backend.engine.manifest.shapes.sequence.max
+    for i in range(0, len(columns[0]), chunk):
+        enc = tokenizer(*(column[i:i + chunk] for column in columns), padding=True, truncation=True,
+                        max_length=max_seq, return_tensors="np")
+        yield {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in names}
+
+
 QUERIES = ("a warm and funny film worth seeing", "a dull, badly acted film")
 TOP = 10
 
@@ -270,16 +291,10 @@ def ranking_report(backend: Backend, ref_model, tokenizer) -> dict:
     from trtserve.data.sentiment import POLARITY_FILE, polarity
 
     texts, _ = polarity()
-    names = {spec.name for spec in backend.inputs}
-    chunk = min(32, backend.engine.manifest.shapes.batch.max)
-    max_seq = backend.engine.manifest.shapes.sequence.max
     worst_error, overlaps = 0.0, []
     for query in QUERIES:
         ours, ref = [], []
-        for i in range(0, len(texts), chunk):
-            enc = tokenizer([query] * len(texts[i:i + chunk]), texts[i:i + chunk], padding=True, truncation=True,
-                            max_length=max_seq, return_tensors="np")
-            feeds = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in names}
+        for feeds in _tokenized_chunks(backend, tokenizer, [query] * len(texts), texts):
             ours.append(backend.infer(feeds)["logits"][:, 0])
             with torch.inference_mode():
                 ref.append(ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()[:, 0])
@@ -319,13 +334,8 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
     from trtserve.data.sentiment import POLARITY_FILE, polarity, predict, split, train_head
 
     texts, labels = polarity()
-    names = {spec.name for spec in backend.inputs}
-    chunk = min(32, backend.engine.manifest.shapes.batch.max)
-    max_seq = backend.engine.manifest.shapes.sequence.max
     ours, ref = [], []
-    for i in range(0, len(texts), chunk):
-        enc = tokenizer(texts[i:i + chunk], padding=True, truncation=True, max_length=max_seq, return_tensors="np")
-        feeds = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in names}
+    for feeds in _tokenized_chunks(backend, tokenizer, texts):
         ours.append(backend.infer(feeds)["sentence_embedding"])
         with torch.inference_mode():
             hidden = ref_model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()

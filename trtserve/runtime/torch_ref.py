@@ -22,7 +22,7 @@ class TorchBackend:
 
         from trtserve.models.loading import load_torch_model
         from trtserve.models.sources import resolve
-        from trtserve.models.wrappers import decoder_graph, scorer_graph, source_encoder_graph
+        from trtserve.models.wrappers import graph_for
 
         torch.set_num_threads(threads or available_cores())
         self.engine = engine
@@ -30,12 +30,7 @@ class TorchBackend:
         self.ranges = engine.manifest.shapes
         source = resolve(engine.manifest.model.source)
         model = load_torch_model(source)
-        if source.info.kind == "decoder":
-            self.module = decoder_graph(model, source.info)
-        elif source.info.kind == "scorer":
-            self.module = scorer_graph(model)
-        else:
-            self.module = source_encoder_graph(model, source)
+        self.module = graph_for(model, source)
         self._torch = torch
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

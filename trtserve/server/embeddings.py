@@ -96,14 +96,18 @@ class EmbeddingService(Service):
                     rows = truncated_ids(self.tokenizer, texts, limit, "right" if request.truncate else "left")
                 except ValueError as exc:
                     raise BadRequest(str(exc), param="truncate_prompt_tokens") from None
-        if len(rows) > self.cfg.max_queue:
-            raise BadRequest(f"`input` has {len(rows)} items; this server queues at most {self.cfg.max_queue} "
-                             "(--max-queue): split the request", param="input")
+        self.check_queue(len(rows), "input")
         longest = max(map(len, rows))
         if longest > self.max_seq:
-            raise BadRequest(f"an input has {longest} tokens; this engine's limit is {self.max_seq} tokens (`truncate`: "
-                             "true or `truncate_prompt_tokens` cut it)", param="input", code="context_length_exceeded")
+            raise BadRequest(f"an input has {longest} tokens; this engine's limit is {self.max_seq} tokens "
+                             "(`truncate`: true or `truncate_prompt_tokens` cut it)", param="input",
+                             code="context_length_exceeded")
         return rows
+
+    def check_queue(self, items: int, field: str) -> None:
+        if items > self.cfg.max_queue:
+            raise BadRequest(f"`{field}` has {items} items; this server queues at most {self.cfg.max_queue} "
+                             "(--max-queue): split the request", param=field)
 
     def _limit(self, request: EmbeddingRequest) -> int | None:
         """The longest row the request allows: `truncate` cuts to the engine's limit keeping the start (TEI);

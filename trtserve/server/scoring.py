@@ -37,8 +37,9 @@ class ScoreService(EmbeddingService):
 
     def pairs(self, query_texts: list[str], documents: list[str], truncate: bool, field: str,
               query_field: str) -> list:
-        """Each (query, document) as one row with its token types; a pair over the engine's limit is a 400 naming
-        the item, unless `truncate` cuts the document to fit (a query that leaves no room is a 400 naming it)."""
+        """Each (query, document) as one row with its token types, one query for every document or one each; a
+        pair over the engine's limit is a 400 naming the item, unless `truncate` cuts the document to fit (a
+        query that leaves no room is a 400 naming it)."""
         from trtserve.runtime.text import Pair
 
         if self.labels != 1:
@@ -50,23 +51,23 @@ class ScoreService(EmbeddingService):
             raise BadRequest(f"`{query_field}` is an empty string", param=query_field)
         if any(not d for d in documents):
             raise BadRequest(f"`{field}` contains an empty string", param=field)
-        if len(documents) > self.cfg.max_queue:
-            raise BadRequest(f"`{field}` has {len(documents)} items; this server queues at most {self.cfg.max_queue} "
-                             "(--max-queue): split the request", param=field)
+        self.check_queue(len(documents), field)
         special = self.tokenizer.num_special_tokens_to_add(True)
         queries = self.tokenizer.encode_batch(query_texts, add_special_tokens=False)
         docs = self.tokenizer.encode_batch(documents, add_special_tokens=False)
         rows = []
-        for i, (query, doc) in enumerate(zip(queries, docs)):
+        for i, doc in enumerate(docs):
+            query = queries[i if len(queries) > 1 else 0]
             room = self.max_seq - special - len(query.ids)
             if room < 1:
-                raise BadRequest(f"`{query_field}` has {len(query.ids)} tokens: with the special tokens and at least one "
-                                 f"token of each document it is over this engine's limit of {self.max_seq}",
+                raise BadRequest(f"`{query_field}` has {len(query.ids)} tokens: with the special tokens and at least "
+                                 f"one token of each document it is over this engine's limit of {self.max_seq}",
                                  param=query_field, code="context_length_exceeded")
             if len(doc.ids) > room:
                 if not truncate:
-                    raise BadRequest(f"`{field}`[{i}] makes a pair of {len(query.ids) + len(doc.ids) + special} tokens; "
-                                     f"this engine's limit is {self.max_seq} (`truncate`: true cuts the document)",
+                    raise BadRequest(f"`{field}`[{i}] makes a pair of {len(query.ids) + len(doc.ids) + special} "
+                                     f"tokens; this engine's limit is {self.max_seq} (`truncate`: true cuts the "
+                                     "document)",
                                      param=field, code="context_length_exceeded")
                 doc.truncate(room)
             pair = self.tokenizer.post_process(query, doc, True)
@@ -79,13 +80,14 @@ class ScoreService(EmbeddingService):
 
     async def rerank(self, request: RerankRequest):
         """RerankResponse for `documents`, TEI's list of ranks for `texts`."""
-        self.check_model(request.model) if request.model is not None else None
+        if request.model is not None:
+            self.check_model(request.model)
         if (request.documents is None) == (request.texts is None):
             raise BadRequest("give `documents` (Cohere/Jina) or `texts` (TEI), one of the two", param="documents")
         tei = request.texts is not None
         texts = request.texts if tei else [d.text if isinstance(d, Document) else d for d in request.documents]
         field = "texts" if tei else "documents"
-        rows = await asyncio.to_thread(self.pairs, [request.query] * len(texts), texts, request.truncate, field, "query")
+        rows = await asyncio.to_thread(self.pairs, [request.query], texts, request.truncate, field, "query")
         scores = await self.scores(rows, raw=request.raw_scores and tei)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[: request.top_n]
         if tei:
@@ -97,12 +99,11 @@ class ScoreService(EmbeddingService):
                               usage=RerankUsage(total_tokens=sum(map(len, rows)))).model_dump(exclude_none=True)
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
-        self.check_model(request.model) if request.model is not None else None
+        if request.model is not None:
+            self.check_model(request.model)
         first = [request.text_1] if isinstance(request.text_1, str) else request.text_1
         second = [request.text_2] if isinstance(request.text_2, str) else request.text_2
-        if len(first) == 1:
-            first = first * len(second)
-        elif len(first) != len(second):
+        if len(first) not in (1, len(second)):
             raise BadRequest(f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one `text_1`, or as "
                              "many as `text_2`", param="text_1")
         rows = await asyncio.to_thread(self.pairs, first, second, request.truncate, "text_2", "text_1")

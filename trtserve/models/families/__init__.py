@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from trtserve.errors import ModelSourceError
@@ -46,7 +46,6 @@ class Family:
     masks_by_layer_type: bool = False
     # RoBERTa counts positions from padding_idx + 1: that many rows of the position table are never a token's
     positions_after_padding: bool = False
-    notes: tuple[str, ...] = field(default=())
 
     def check(self, config: dict) -> None:
         """Refuse what the export would get wrong, naming the field."""

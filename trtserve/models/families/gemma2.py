@@ -14,5 +14,6 @@ def softcaps(config: dict) -> tuple[float | None, float | None]:
     return (float(attn) if attn else None), (float(final) if final else None)
 
 
-FAMILY = Family(name="gemma2", model_types=("gemma2",), kind="decoder", norm="rms(1+w)", norms_per_layer=4, activation="gelu_tanh",
-                embedding_scale=True, windows=_windows, softcaps=softcaps, masks_by_layer_type=True)
+FAMILY = Family(name="gemma2", model_types=("gemma2",), kind="decoder", norm="rms(1+w)", norms_per_layer=4,
+                activation="gelu_tanh", embedding_scale=True, windows=_windows, softcaps=softcaps,
+                masks_by_layer_type=True)
