@@ -80,6 +80,8 @@ def test_rerank_orders_documents_by_transformers_scores(cross_encoder):
                                             "documents": [{"text": d} for d in DOCUMENTS]}, timeout=60).json()
     assert [r["index"] for r in top["results"]] == [r["index"] for r in results[:2]]
     assert all("document" not in r for r in top["results"])
+    raw = httpx.post(f"{url}/v1/rerank", json={**body, "raw_scores": True}, timeout=60).json()["results"]
+    np.testing.assert_allclose([r["relevance_score"] for r in raw], np.sort(np.log(want / (1 - want)))[::-1], atol=1e-4)
 
 
 def test_teis_rerank_body_gets_teis_answer_with_raw_scores(cross_encoder):
@@ -114,6 +116,8 @@ def test_score_pairs_one_to_many_and_many_to_many(cross_encoder):
     ("/v1/rerank", {"query": QUERY, "documents": ["a"] * 10_000}, "documents"),
     ("/rerank", {"query": QUERY, "documents": ["a"], "texts": ["b"]}, "documents"),
     ("/rerank", {"query": QUERY}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": ["a"], "return_text": True}, "return_text"),
+    ("/rerank", {"query": QUERY, "texts": ["a"], "return_documents": False}, "return_documents"),
     ("/rerank", {"query": QUERY, "texts": [" ".join(["word"] * 100)]}, "texts"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),

@@ -202,8 +202,9 @@ class Document(BaseModel):
 
 
 class RerankRequest(_Request):
-    """POST /v1/rerank and /rerank: Cohere's and Jina's shape as vLLM serves it (`documents`), or TEI's
-    (`texts`, `raw_scores`, `return_text`); exactly one of the two lists."""
+    """POST /v1/rerank and /rerank: Cohere's and Jina's shape as vLLM serves it (`documents`,
+    `return_documents`), or TEI's (`texts`, `return_text`); exactly one of the two lists. `raw_scores` (the
+    logit rather than its sigmoid) applies to both."""
     model: Text | None = None
     query: Text
     documents: list[Text | Document] | None = None

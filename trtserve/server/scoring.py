@@ -85,10 +85,15 @@ class ScoreService(EmbeddingService):
         if (request.documents is None) == (request.texts is None):
             raise BadRequest("give `documents` (Cohere/Jina) or `texts` (TEI), one of the two", param="documents")
         tei = request.texts is not None
+        other = "return_documents" if tei else "return_text"  # each body's own way to echo the texts
+        if other in request.model_fields_set:
+            raise BadRequest(f"`{other}` belongs to the {'Cohere/Jina' if tei else 'TEI'} body; with `"
+                             f"{'texts' if tei else 'documents'}` use `{'return_text' if tei else 'return_documents'}`",
+                             param=other)
         texts = request.texts if tei else [d.text if isinstance(d, Document) else d for d in request.documents]
         field = "texts" if tei else "documents"
         rows = await asyncio.to_thread(self.pairs, [request.query], texts, request.truncate, field, "query")
-        scores = await self.scores(rows, raw=request.raw_scores and tei)
+        scores = await self.scores(rows, raw=request.raw_scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[: request.top_n]
         if tei:
             return [TeiRank(index=i, score=float(scores[i]), text=texts[i] if request.return_text else None)
