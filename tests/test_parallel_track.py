@@ -227,6 +227,9 @@ def test_serve_rejects_a_wrong_tracks_option_before_starting(track_engine, minil
     dense = run_cli("serve", str(minilm_engine), "--tracks", "2", timeout=120)
     assert dense.returncode == 2 and "Traceback" not in dense.stderr, dense.stderr[-2000:]
     assert "is not one (its model kind is encoder): leave --tracks out" in dense.stderr
+    several = run_cli("serve", str(track_engine), "--workers", "2", timeout=120)
+    assert several.returncode == 2 and "--workers 2 cannot apply (use 1, or 0 for the server process)" in \
+        several.stderr, several.stderr[-2000:]
 
 
 @pytest.mark.models
@@ -265,8 +268,74 @@ def test_server_serves_a_track_sharded_engine_over_two_workers(trained, track_en
                                              max_tokens=6, temperature=0, stream=True)
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert "".join(pieces).strip()
+        # the continuous batcher's grammars serve track engines too (single-token choices: the tiny model's
+        # compact vocabulary lacks some pieces of longer words' other spellings, which a grammar allows)
+        picked = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"structured_outputs": {"choice": ["1", "2"]}})
+        assert picked.choices[0].text in ("1", "2") and picked.choices[0].finish_reason == "stop"
     finally:
         stop_server(proc)
+
+
+def greedy_reference(m, tok, ids: list[int], steps: int) -> list[int]:
+    """The torch model's greedy tokenizer ids after tokenizer ids `ids`, one sequence alone (unknown id never)."""
+    from trtserve.research.pt_train import to_compact
+
+    x, past, out = to_compact(ids, m.vocab)[None], None, []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits, past = m(x, past)
+            row = logits[0, -1].clone()
+            row[0] = -float("inf")
+            x = row.argmax().view(1, 1)
+            out.append(int(m.vocab[x]))
+    return out
+
+
+@pytest.mark.models
+def test_the_slot_batcher_drives_track_ranks_like_any_backend(trained, track_engine):
+    """Sequences of different lengths decode together over 2 ranks (equal-length rows share a call), with
+    chunked prefill and the prefix cache: each gets the greedy tokens the torch model gives it alone."""
+    from tokenizers import Tokenizer
+
+    from trtserve.data.corpus import wiki_paragraphs
+    from trtserve.runtime import load_backend
+    from trtserve.runtime.prefix_cache import PrefixCache
+    from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.slot_batching import SlotBatcher, make_batcher
+
+    tok = Tokenizer.from_file(str(trained["pt"] / "tokenizer.json"))
+    text = tok.encode(" ".join(wiki_paragraphs()[:2])).ids
+    prompts = [text[:20], text[40:60], text[80:87], text[:16] + text[100:117]]  # the last reuses 16 cached rows
+    backend = load_backend(track_engine, ranks={"tracks": 2})
+    try:
+        assert backend.abilities.kv_slots and len(backend.processes) == 0  # ranks start with the first slots
+        batcher = make_batcher(backend, set(), max_num_seqs=3, max_prefill_tokens=16)
+        assert isinstance(batcher, SlotBatcher) and len(backend.processes) == 2
+        batcher.prefix_cache = PrefixCache(64 << 20)
+        shared, call = [], backend.decoder.call
+
+        def counted(op, payload):  # how many sequences each forward over the ranks carried
+            shared.append(len(payload[1]) if op == "run" else 0)
+            return call(op, payload)
+
+        backend.decoder.call = counted
+        for i, prompt in enumerate(prompts):  # one more than the slots: the last waits for a free one
+            batcher.add(str(i), prompt, SamplingParams(max_tokens=8 + i, temperature=0, ignore_eos=True))
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        for _ in range(200):
+            if not batcher.has_work():
+                break
+            for event in batcher.step():
+                assert event.error is None, event.error
+                got[event.id].append(event.token)
+        m = load_checkpoint(trained["pt"])
+        for i, prompt in enumerate(prompts):
+            assert got[str(i)] == greedy_reference(m, tok, prompt, 8 + i), i
+        assert batcher.prefix_cache.hits == 16
+        assert max(shared) == 2  # the two 20-token prompts decode in one call
+    finally:
+        backend.close()
 
 
 def httpx_get(url: str) -> dict:

@@ -275,12 +275,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engines = served_engines(models, target.model_repository, target.precision, target.backend)
     engines = [(name, str(path)) for name, path in engines]
     configs = plan(cfg, engines)  # a clash of names or a wrong --tracks: one clear error before the server starts
-    if cfg.tracks is not None:
-        from trtserve.engine_dir import open_engine_dir
-        from trtserve.server.tracks import check_tracks_option
+    from trtserve.engine_dir import open_engine_dir
+    from trtserve.server.generation import check_tracks_option
 
-        for c in configs.values():
-            check_tracks_option(c.engine_dir, open_engine_dir(c.engine_dir, verify=False).manifest, cfg.tracks)
+    for c in configs.values():
+        check_tracks_option(c.engine_dir, open_engine_dir(c.engine_dir, verify=False).manifest, cfg.tracks, cfg.workers)
     serve(cfg.model_copy(update={"engine_dir": engines[0][1]}), engines)
     return 0
 

@@ -9,6 +9,8 @@ def runtime_for(engine) -> tuple[str, str]:
     """(backend, why) that `auto` picks for an opened engine dir: its TensorRT plan when this
     machine can run it, else the ONNX Runtime graph (the CPU default that always works)."""
     entry = engine.manifest.tensorrt
+    if engine.manifest.parallel_tracks is not None:
+        return "onnxruntime", "a track-sharded engine: its ranks run ONNX Runtime"
     if not entry:
         return "onnxruntime", "the engine has no TensorRT plan"
     from trtserve.runtime.devices import cuda_device_info
@@ -21,12 +23,19 @@ def runtime_for(engine) -> tuple[str, str]:
     return ("onnxruntime", f"not the TensorRT plan: {reason}") if reason else ("tensorrt", "the plan fits this GPU")
 
 
-def load_backend(engine_dir, backend: str = "onnxruntime", **options):
-    """Open and verify `engine_dir`, then load it with the named backend (`auto`: see runtime_for)."""
+def load_backend(engine_dir, backend: str = "onnxruntime", ranks: dict | None = None, **options):
+    """Open and verify `engine_dir`, then load it with the named backend (`auto`: see runtime_for). `ranks`: a
+    track-sharded engine's rank options (runtime.track_backend.TrackBackend: tracks, threads, timeout, heartbeat)."""
     from trtserve.engine_dir import open_engine_dir
     from trtserve.errors import TrtServeError
 
     engine = open_engine_dir(engine_dir)
+    if engine.manifest.parallel_tracks is not None:  # its ranks run the tracks' ONNX Runtime graphs
+        from trtserve.runtime.track_backend import TrackBackend
+
+        if backend not in ("auto", "onnxruntime"):
+            raise TrtServeError(f"{engine.path} is track-sharded: it runs with ONNX Runtime only, not {backend}")
+        return TrackBackend(engine, **(ranks or {}))
     if backend == "auto":
         backend, _ = runtime_for(engine)
         if backend == "tensorrt":

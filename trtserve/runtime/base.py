@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from trtserve.errors import InputError
+from trtserve.errors import InputError, TrtServeError
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,10 @@ class TensorSpec:
 class Abilities:
     """What a backend can do beyond `infer`, declared by the backend (never probed for)."""
 
-    kv_slots: bool = False  # `kv_slots(n)`: sequence slots over the engine's in-place decode graph
+    kv_slots: bool = False  # `kv_slots(n)`: sequence slots (the engine's in-place decode graph, or a track
+    # engine's ranks), at most n; the slot batcher drives them
+    processes: bool = False  # it runs helper processes of its own (`processes`: their pids), which whoever
+    # supervises its owner kills with it
 
 
 class Backend(Protocol):
@@ -91,3 +94,9 @@ def _bind_axis(name: str, axis, size: int, bound: dict, ranges: dict) -> None:
             f"input {name}: {axis}={size} is outside the engine's range [{limits.min}, {limits.max}]; "
             f"rebuild with a larger --max-{'batch' if axis == 'batch' else 'seq'} to allow it"
         )
+
+
+class BackendLost(TrtServeError):
+    """A backend's helper processes failed or missed their deadline: every sequence it held is gone, and the
+    worker that owns it must be started afresh (its batcher re-raises this instead of ending one call's
+    sequences)."""

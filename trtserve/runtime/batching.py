@@ -78,15 +78,19 @@ class ContinuousBatcher:
         """`max_batched_tokens`: padded prompt tokens admitted into one prefill; `max_prefill_tokens`:
         padded tokens fed per step (a chunk: newcomers x columns; None: the whole prefill in one call)."""
         manifest = backend.engine.manifest
-        self.backend, self.eos_ids, self.pad_id = backend, set(eos_ids), pad_id
-        self.max_num_seqs = min(max_num_seqs, manifest.shapes.batch.max)
-        self.max_batched_tokens = max_batched_tokens
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_seq = manifest.shapes.total_sequence.max
-        self.vocab = manifest.model.architecture.vocab_size
+        self._setup(backend, eos_ids, min(max_num_seqs, manifest.shapes.batch.max), max_batched_tokens, pad_id,
+                    max_prefill_tokens, manifest.shapes.total_sequence.max, manifest.model.architecture.vocab_size)
         self.names = past_names(backend)
         specs = {spec.name: spec for spec in backend.inputs}
         self.kv_shape = {n: (specs[n].shape[1], specs[n].shape[3]) for n in self.names}  # (Hkv, D)
+
+    def _setup(self, backend: Backend, eos_ids: set[int], max_num_seqs: int, max_batched_tokens: int, pad_id: int,
+               max_prefill_tokens: int | None, max_seq: int, vocab: int) -> None:
+        """What every batcher holds: limits, the waiting queue and the batch."""
+        self.backend, self.eos_ids, self.pad_id = backend, set(eos_ids), pad_id
+        self.max_num_seqs, self.max_batched_tokens, self.max_prefill_tokens = (max_num_seqs, max_batched_tokens,
+                                                                               max_prefill_tokens)
+        self.max_seq, self.vocab = max_seq, vocab
         self.waiting: deque[Sequence] = deque()
         self.batch = _Batch()
         self.prefill: _Prefill | None = None

@@ -70,7 +70,8 @@ class OrtBackend:
 
         if not self.kv_graph:
             return None
-        slots = KVSlots(self.engine, slots, self.threads, session=self._kv_session)
+        slots = KVSlots(self.engine, min(slots, self.engine.manifest.shapes.batch.max), self.threads,
+                        session=self._kv_session)
         self._kv_session = slots.session  # loaded once; each batcher gets buffers of its own
         return slots
 

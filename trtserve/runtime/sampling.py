@@ -90,6 +90,8 @@ class Sampler:
             logits -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
         if self.constraint is not None:
             self.constraint.apply(logits)  # tokens outside the grammar: -inf
+            if not np.isfinite(np.max(logits)):  # a track engine's compact vocabulary may lack every one
+                raise SamplingError("no token the grammar allows next is in the model's vocabulary")
         if p.temperature < GREEDY_BELOW or p.top_k == 1:
             token = int(np.argmax(logits))
         else:

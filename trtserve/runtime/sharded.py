@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtserve.errors import TrtServeError
+from trtserve.runtime.heartbeat import new_heartbeat, silent_for
 
 
 @dataclass
@@ -94,9 +95,25 @@ class _EngineShard:
     def forward(self, ids, new: bool):
         return self.engines.forward(ids, self._all_reduce, new=new)
 
+    def answer(self, op: str, payload):
+        """The sequence-slot operations (runtime/track_backend.py): caches kept per key."""
+        if op == "run":
+            drops, keys, ids, every = payload
+            self.engines.drop(drops)
+            return self.engines.run(keys, ids, self._all_reduce, every)
+        if op == "read":
+            return self.engines.read(*payload)
+        if op == "write":
+            return self.engines.write(*payload)
+        raise ValueError(f"unknown operation {op!r}")
 
-def _worker(conn, spec, rank: int, world: int, port: int, threads: int) -> None:
+
+def _worker(conn, spec, rank: int, world: int, port: int, threads: int, heartbeat=None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if heartbeat is not None:
+        from trtserve.runtime.heartbeat import start_beating
+
+        start_beating(heartbeat)
     import torch
     import torch.distributed as dist
 
@@ -115,10 +132,13 @@ def _worker(conn, spec, rank: int, world: int, port: int, threads: int) -> None:
                 message = conn.recv()
                 if message is None:
                     break
-                command, ids = message
+                command, payload = message
                 before = shard.syncs
-                logits = shard.forward(ids, new=command == "prefill")
-                conn.send(("ok", logits if rank == 0 else None, shard.syncs - before))
+                if command in ("prefill", "decode"):
+                    value = shard.forward(payload, new=command == "prefill")
+                else:
+                    value = shard.answer(command, payload)
+                conn.send(("ok", value if rank == 0 or command == "read" else None, shard.syncs - before))
     except (EOFError, KeyboardInterrupt):
         pass
     except Exception as exc:  # reported to the caller, who raises it as one clear error
@@ -131,28 +151,33 @@ def _worker(conn, spec, rank: int, world: int, port: int, threads: int) -> None:
 class ShardedDecoder:
     """`world` worker processes each holding its part of `spec` (EngineShards, or an engine dir's path)."""
 
-    def __init__(self, spec, world: int, threads: int = 1, timeout: float = 300, start_timeout: float = 300):
+    def __init__(self, spec, world: int, threads: int = 1, timeout: float = 300, start_timeout: float = 300,
+                 heartbeat: float | None = None):
         """`timeout`: seconds each call may take; `start_timeout`: seconds the ranks may take to load (importing
-        torch and opening their sessions is not a step and must not count against a step's deadline)."""
+        torch and opening their sessions is not a step and must not count against a step's deadline);
+        `heartbeat`: seconds a rank may go without a heartbeat while a call waits on it (stopped or wedged:
+        the call fails then, not at its deadline)."""
         if isinstance(spec, (str, Path)):
             spec = EngineShards(str(spec))
         spec.check(world)
-        self.spec, self.world, self.timeout = spec, world, timeout
+        self.spec, self.world, self.timeout, self.heartbeat_timeout = spec, world, timeout, heartbeat
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
-        self.conns, self.procs = [], []
+        self.conns, self.procs, self.heartbeats = [], [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, spec, rank, world, port, threads),
+            beats = new_heartbeat(ctx) if heartbeat else None
+            proc = ctx.Process(target=_worker, args=(child, spec, rank, world, port, threads, beats),
                                daemon=True, name=f"trtserve-{spec.name}-{rank}")
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
+            self.heartbeats.append(beats)
         self.pids = [self._receive(rank, start_timeout)[1] for rank in range(world)]
 
     def _receive(self, rank: int, timeout: float | None = None):
         timeout = self.timeout if timeout is None else timeout
-        if not self.conns[rank].poll(timeout):
+        if not self._wait(rank, timeout):
             self.kill()  # hung or stopped: waiting for a polite exit would only add to the delay
             raise TrtServeError(f"sharded worker {rank} did not answer in {timeout:g} s")
         try:
@@ -166,14 +191,37 @@ class ShardedDecoder:
             raise TrtServeError(message[1])
         return message
 
+    def _wait(self, rank: int, timeout: float) -> bool:
+        """Whether rank's answer came within `timeout`; False early when any rank's heartbeat is silent."""
+        if self.heartbeat_timeout is None:
+            return self.conns[rank].poll(timeout)
+        deadline = time.monotonic() + timeout
+        while not self.conns[rank].poll(min(0.25, max(deadline - time.monotonic(), 0))):
+            quiet = max(silent_for(beats) for beats in self.heartbeats)
+            if time.monotonic() >= deadline or quiet > self.heartbeat_timeout:
+                return False
+        return True
+
     def _run(self, command: str, ids) -> Step:
         started = time.perf_counter()
-        for conn in self.conns:
-            conn.send((command, ids))
+        self._send(command, ids)
         answers = [self._receive(rank) for rank in range(self.world)]
         syncs = {answer[2] for answer in answers}
         assert len(syncs) == 1, f"workers disagree on the synchronisations: {syncs}"
         return Step(answers[0][1], syncs.pop(), time.perf_counter() - started)
+
+    def call(self, command: str, payload) -> list:
+        """A sequence-slot operation on every rank ("run", "read", "write"); each rank's answer."""
+        self._send(command, payload)
+        return [self._receive(rank)[1] for rank in range(self.world)]
+
+    def _send(self, command: str, payload) -> None:
+        try:
+            for conn in self.conns:
+                conn.send((command, payload))
+        except (OSError, ValueError):  # a rank's pipe is gone
+            self.kill()
+            raise TrtServeError(f"a sharded worker exited (exit codes {[p.exitcode for p in self.procs]})") from None
 
     def prefill(self, ids) -> Step:
         """Start new sequences: ids [B, T] compact token ids (rows of equal length)."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from trtserve.runtime.base import Backend
+from trtserve.runtime.base import Backend, BackendLost
 from trtserve.runtime.batching import ContinuousBatcher, Event, Sequence
 
 
 def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
                  pad_id: int = 0, max_prefill_tokens: int | None = None) -> ContinuousBatcher:
-    """The slot batcher where the engine has a decode graph for this backend, else the padded one."""
+    """The slot batcher where the backend has sequence slots (a decode graph, a track engine's ranks), else
+    the padded one."""
     if backend.abilities.kv_slots:
         return SlotBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
     return ContinuousBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
@@ -28,9 +29,9 @@ def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, ma
 class SlotBatcher(ContinuousBatcher):
     def __init__(self, backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
                  pad_id: int = 0, max_prefill_tokens: int | None = None):
-        super().__init__(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
-        self.slots = backend.kv_slots(self.max_num_seqs)
-        self.max_seq = min(self.max_seq, self.slots.capacity)
+        self.slots = backend.kv_slots(max_num_seqs)  # at most that many: the backend knows its engine's limits
+        self._setup(backend, eos_ids, self.slots.slots, max_batched_tokens, pad_id, max_prefill_tokens,
+                    self.slots.capacity, self.slots.vocab)
         self.table: list[Sequence] = []  # slot -> its sequence; no holes
         self.d = 0  # slots [0, d) decode, [d, len(table)) are being prefilled
         self.scored: list[np.ndarray] = []  # prompt logits so far of a sequence that asked for them
@@ -90,6 +91,8 @@ class SlotBatcher(ContinuousBatcher):
         """One call over slots [first, first + len(ids)); on failure its sequences end with the error."""
         try:
             return self.slots.run(first, ids, counts, index), []
+        except BackendLost:  # every sequence is gone, not only this call's: the worker starts afresh
+            raise
         except Exception as exc:  # noqa: BLE001 - the call's sequences end, the batcher goes on
             ids_gone = {s.id for s in seqs}
             self._drop([i for i, s in enumerate(self.table) if s.id in ids_gone])

@@ -97,7 +97,8 @@ class TextEngine:
         self.tokenizer = load_tokenizer(path)
         self.special = SpecialTokens.of(path, self.tokenizer)
         self.eos_ids, self.pad_id = set(self.special.eos_ids), self.special.pad_id
-        self.max_seq = backend.engine.manifest.shapes.sequence.max
+        manifest = backend.engine.manifest
+        self.max_seq = manifest.shapes.sequence.max if manifest.shapes else manifest.model.architecture.max_positions
         self.input_names = {spec.name for spec in backend.inputs}
 
     def _batch(self, texts: list[str], add_special_tokens: bool = True):

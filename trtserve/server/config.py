@@ -48,8 +48,9 @@ class ServerConfig(Settings):
                                           "id)")
     threads: int | None = Field(None, gt=0, description="CPU threads per worker (default: the cores divided among "
                                 "the workers)")
-    tracks: int | None = Field(None, gt=0, description="track-sharded engines: worker processes sharing the tracks, "
-                               "all-reducing at segment boundaries (default: one per track)")
+    tracks: int | None = Field(None, gt=0, description="track-sharded engines: rank processes sharing the tracks, "
+                               "all-reducing at segment boundaries, under the one worker that batches their "
+                               "sequences (default: one per track)")
 
 
 def placement(workers: int | None, threads: int | None = None) -> tuple[int, list[int | None], int | None, str]:

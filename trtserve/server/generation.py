@@ -58,15 +58,12 @@ class Submission:
 
 class DecoderService(Service):
     """Requests to jobs and events to pieces, for every decoder engine; how sequences run (`submit`)
-    is the specialisation's: worker processes with continuous batching (GenerationService), or the
-    ranks of a track-sharded engine (server/tracks.py)."""
+    is the specialisation's (GenerationService: workers running the continuous batcher)."""
 
     kind = "decoder"
 
     max_seq: int  # prompt plus generated tokens a sequence may hold
     vocab: int  # token ids a prompt may use are [0, vocab)
-
-    constrained = False  # whether its decode loop takes grammars (structured outputs)
 
     def __init__(self, cfg: ServerConfig, metrics=None, verify: bool = False):
         super().__init__(cfg, metrics, verify)
@@ -93,9 +90,6 @@ class DecoderService(Service):
         spec = spec or tool_spec
         if spec is None:
             return None
-        if not self.constrained:
-            raise BadRequest(f"`{self.model_id}` is track-sharded: its decode loop does not serve structured "
-                             "outputs yet", param=spec[2])
         if request.ignore_eos:
             raise BadRequest("`ignore_eos` cannot be combined with a structured output: the grammar ends it",
                              param="ignore_eos")
@@ -235,17 +229,29 @@ class DecoderService(Service):
 
 class GenerationService(DecoderService):
     """A decoder engine over worker processes (or the in-process worker), each running the
-    continuous batcher (server/generation_worker.py)."""
-
-    constrained = True
+    continuous batcher (server/generation_worker.py). A track-sharded engine is one such worker whose
+    backend's ranks share its tracks (runtime/track_backend.py)."""
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files
-        self.max_seq = self.manifest.shapes.total_sequence.max
-        self.vocab = self.manifest.model.architecture.vocab_size
+        tracks = self.manifest.parallel_tracks
+        if tracks is None:
+            self.max_seq = self.manifest.shapes.total_sequence.max
+            self.vocab = self.manifest.model.architecture.vocab_size
+            ranks = None
+        else:  # its compact vocabulary is mapped to and from the tokenizer's ids by its backend
+            from trtserve.server.workers import LOAD_TIMEOUT
+
+            check_tracks_option(cfg.engine_dir, self.manifest, cfg.tracks, cfg.workers)
+            self.max_seq = self.manifest.model.architecture.max_positions
+            self.vocab = self.tokenizer.get_vocab_size()
+            ranks = {"tracks": cfg.tracks or tracks.tracks, "threads": cfg.threads or 1,
+                     "timeout": cfg.worker_timeout, "heartbeat": cfg.heartbeat_timeout, "start_timeout": LOAD_TIMEOUT}
+            log.info("tracks: %d engine tracks over %d rank process(es), %d all-reduce(s) per forward",
+                     tracks.tracks, ranks["tracks"], tracks.sync.per_forward)
         options = {"max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": max(cfg.max_batch_tokens, self.max_seq),
                    "max_prefill_tokens": cfg.max_prefill_tokens or None, "prefix_cache_mib": cfg.prefix_cache_mib}
-        self.pool = self.worker_pool(generation=options)
+        self.pool = self.worker_pool(generation=options, ranks=ranks)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -334,3 +340,23 @@ def _event_error(error: str, worker: int) -> ServingError:
     if error == "worker_hung":
         return Unavailable(f"worker {worker} stopped making progress and is being restarted; retry the request")
     return ServingError(f"the backend failed while generating: {error}")
+
+
+def check_tracks_option(engine_dir, manifest, tracks: int | None, workers: int | None = None) -> None:
+    """`--tracks N` is for track-sharded engines only, and N must divide their tracks; such an engine is served
+    by one worker (its ranks are the processes), or in the server process with `--workers 0`."""
+    from trtserve.errors import TrtServeError
+    from trtserve.runtime.sharded import check_track_split
+
+    if manifest.parallel_tracks is None:
+        if tracks is not None:
+            raise TrtServeError(f"--tracks is for track-sharded engines (built from a parallel-track checkpoint); "
+                                f"{engine_dir} is not one (its model kind is {manifest.model.kind}): "
+                                "leave --tracks out")
+        return
+    if workers is not None and workers > 1:
+        raise TrtServeError(f"{engine_dir} is track-sharded: one worker serves it, its --tracks rank processes "
+                            f"sharing the tracks; --workers {workers} cannot apply (use 1, or 0 for the server "
+                            "process)")
+    if tracks is not None:
+        check_track_split(manifest.parallel_tracks.tracks, tracks)

@@ -5,7 +5,8 @@ never blocks on a full pipe) and reads on another thread, routing every event to
 of its sequence; if the worker dies or stops making progress, every sequence it held gets an error.
 
 A failure inside one sequence (bad parameters, logits that are not numbers) ends that sequence;
-a failure of a whole step ends the sequences of that step; the loop itself goes on."""
+a failure of a whole step ends the sequences of that step; the loop itself goes on, unless the backend
+is lost (a track engine's ranks failed): then the loop ends, and its worker is restarted."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import queue as queue_module
 import threading
 import time
 
+from trtserve.runtime.base import BackendLost
 from trtserve.runtime.sampling import SamplingParams
 
 log = logging.getLogger("trtserve.server")
@@ -77,6 +79,9 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
                     batcher.cancel(payload)
             try:
                 events = failed + [e.__dict__ for e in batcher.step()]
+            except BackendLost as exc:  # the backend's processes are gone: so is this worker, which is restarted
+                log.error("generation worker: %s; leaving so that it is started afresh", exc)
+                return
             except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
                 log.exception("generation step failed")
                 held = dict.fromkeys(s.id for s in batcher.held())

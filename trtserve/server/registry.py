@@ -93,14 +93,12 @@ def make_service(cfg: ServerConfig, metrics):
     """The embeddings service for an encoder engine, the scoring service for a cross-encoder, the generation
     service for a decoder."""
     from trtserve.engine_dir import open_engine_dir
-    from trtserve.server.tracks import TrackGenerationService, check_tracks_option
+    from trtserve.server.generation import check_tracks_option
 
     manifest = open_engine_dir(cfg.engine_dir, verify=False).manifest
-    check_tracks_option(cfg.engine_dir, manifest, cfg.tracks)
+    check_tracks_option(cfg.engine_dir, manifest, cfg.tracks, cfg.workers)
     kind = manifest.model.kind
-    if kind == "parallel_track":
-        return TrackGenerationService(cfg, metrics)
-    if kind == "decoder":
+    if kind in ("decoder", "parallel_track"):
         from trtserve.server.generation import GenerationService
 
         return GenerationService(cfg, metrics)

@@ -1,8 +1,8 @@
 """The service skeleton every engine kind shares (no FastAPI here): the engine directory, its
 tokenizer and special tokens, the model name clients use, /v1/models and the model check, and the
 lifecycle the app drives (start, stop, probe, healthy, worker status). The specialisations are
-EmbeddingService (server/embeddings.py), GenerationService (server/generation.py) and
-TrackGenerationService (server/tracks.py)."""
+EmbeddingService (server/embeddings.py), ScoreService (server/scoring.py) and GenerationService
+(server/generation.py)."""
 
 from __future__ import annotations
 
@@ -32,15 +32,18 @@ class Service:
         self.model_id = cfg.served_model_name or self.manifest.model.id
         self.created = int(time.time())
 
-    def worker_pool(self, generation: dict | None = None):
-        """Worker processes (or the in-process worker) for this engine, placed on this machine."""
+    def worker_pool(self, generation: dict | None = None, ranks: dict | None = None):
+        """Worker processes (or the in-process worker) for this engine, placed on this machine; `ranks`: a
+        track-sharded engine's rank options, served by one worker."""
         from trtserve.runtime import runtime_for
         from trtserve.server.workers import WorkerPool
 
         count, devices, threads, why = placement(self.cfg.workers, self.cfg.threads)
+        if ranks is not None:
+            count = min(count, 1)
         log.info("workers: %s; backend: %s (%s)", why, *runtime_for(self.engine))
         return WorkerPool(str(self.engine.path), count, devices, threads, self.metrics, generation=generation,
-                          deadline=self.cfg.worker_timeout, heartbeat=self.cfg.heartbeat_timeout)
+                          deadline=self.cfg.worker_timeout, heartbeat=self.cfg.heartbeat_timeout, ranks=ranks)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])

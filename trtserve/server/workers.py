@@ -12,6 +12,7 @@ cannot be killed: its callers get 503 at the deadline and its generation loop is
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -20,38 +21,29 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from trtserve.runtime.heartbeat import new_heartbeat, silent_for, start_beating
 from trtserve.server.errors import ServingError, Unavailable
 
 log = logging.getLogger("trtserve.server")
 LOAD_TIMEOUT = 300.0
 RESTART_BACKOFF = (0.5, 1, 2, 5, 10, 30)
-HEARTBEAT_EVERY = 1.0  # seconds between a worker process's beats
 
 
 class WorkerError(ServingError):
     """The backend raised while running a batch."""
 
 
-def _beat(heartbeat) -> None:
-    """The worker's heartbeat: CLOCK_MONOTONIC (one clock for every process of the machine) into shared
-    memory the server reads. A thread of its own, so a long batch in native code (which releases the
-    interpreter) keeps beating, and only a stopped or wedged process falls silent."""
-    while True:
-        heartbeat.value = time.monotonic()
-        time.sleep(HEARTBEAT_EVERY)
-
-
 def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None, generation: dict | None,
-                 heartbeat=None) -> None:
+                 heartbeat=None, ranks: dict | None = None) -> None:
     """Body of a worker process: load the engine, then answer ("embed", rows) until told to stop,
     or, for decoders (`generation` options given), run the continuous batcher."""
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops its workers
     if heartbeat is not None:
-        threading.Thread(target=_beat, args=(heartbeat,), name="trtserve-heartbeat", daemon=True).start()
+        start_beating(heartbeat)
     try:
-        text = _load(engine_dir, threads)
+        text = _load(engine_dir, threads, ranks)
         if generation is not None:  # its sessions are loaded before it reports ready
             from trtserve.server.generation_worker import generation_loop, new_batcher
 
@@ -59,7 +51,7 @@ def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None,
     except Exception as exc:  # reported to the server, which refuses to start with this message
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", (os.getpid(), _processes(text.backend))))
     if generation is not None:
         generation_loop(conn, text, **generation, batcher=batcher)
         text.backend.close()
@@ -78,19 +70,28 @@ def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None,
     text.backend.close()
 
 
-def _load(engine_dir: str, threads: int | None):
+def _load(engine_dir: str, threads: int | None, ranks: dict | None = None):
     from trtserve.runtime import load_backend
     from trtserve.runtime.text import TextEngine
 
-    return TextEngine(load_backend(engine_dir, "auto", threads=threads))  # the TensorRT plan where it can run
+    # the TensorRT plan where it can run; a track-sharded engine's ranks
+    return TextEngine(load_backend(engine_dir, "auto", ranks=ranks, threads=threads))
+
+
+def _processes(backend) -> list[int]:
+    """The pids of a backend's own helper processes (a track engine's ranks), which die with its worker."""
+    return list(backend.processes) if backend.abilities.processes else []
 
 
 class Worker:
     """One backend owner. Calls run one at a time on its own thread, so one batch is in flight."""
 
     def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool,
-                 generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0):
+                 generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0,
+                 ranks: dict | None = None):
         self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
+        self.ranks = ranks  # a track-sharded engine's rank options: its backend runs processes of its own
+        self.processes: list[int] = []  # their pids, as a worker process reported them when it was ready
         self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
         self.on_prefix = None  # decoders: (new prefix-cache queries, hits) as the worker reports them
         self.deadline = deadline  # seconds one call (or one generation step) may take
@@ -116,7 +117,7 @@ class Worker:
         """Start the process (or load in this one) and wait until the engine is loaded. Blocking."""
         if self.inline:
             if self.text is None:
-                self.text = _load(self.engine_dir, self.threads)
+                self.text = _load(self.engine_dir, self.threads, self.ranks)
             if self.generation is not None:
                 from trtserve.server.generation_worker import new_batcher
 
@@ -127,11 +128,16 @@ class Worker:
             self.conn.close()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads or a GPU context
         parent, child = ctx.Pipe()
-        heartbeat = ctx.Value("d", time.monotonic(), lock=False)  # one writer: a float store is atomic enough
+        heartbeat = new_heartbeat(ctx)
+        # a worker whose backend starts processes of its own cannot be a daemon (daemons have no children); it is
+        # killed at exit like one, whatever stops the server
         proc = ctx.Process(target=_worker_main,
-                           args=(child, self.engine_dir, self.device, self.threads, self.generation, heartbeat),
-                           name=f"trtserve-worker-{self.index}", daemon=True)
+                           args=(child, self.engine_dir, self.device, self.threads, self.generation, heartbeat,
+                                 self.ranks),
+                           name=f"trtserve-worker-{self.index}", daemon=self.ranks is None)
         proc.start()
+        if self.ranks is not None:
+            atexit.register(proc.kill)
         child.close()  # so that the worker's death reads as EOF here
         try:
             if not parent.poll(LOAD_TIMEOUT):
@@ -147,6 +153,7 @@ class Worker:
             proc.join(5)
             raise RuntimeError(f"worker {self.index} could not load the engine: {info}")
         self.proc, self.conn, self.heartbeat = proc, parent, heartbeat
+        self.processes = info[1]
         if self.generation is not None:
             self._open_channel()
         self.ready = True
@@ -203,7 +210,7 @@ class Worker:
         """Seconds since a ready worker process's last heartbeat, when over --heartbeat-timeout."""
         if self.inline or not self.ready or self.heartbeat is None or not self.proc.is_alive():
             return None
-        quiet = time.monotonic() - self.heartbeat.value
+        quiet = silent_for(self.heartbeat)
         return quiet if quiet > self.heartbeat_timeout else None
 
     def stalled(self) -> bool:
@@ -211,11 +218,32 @@ class Worker:
         return self.ready and self.channel is not None and self.channel.stalled(self.deadline)
 
     def kill(self, why: str) -> None:
-        """Give up on a hung worker process: SIGKILL (which also ends a SIGSTOPped one); the
-        supervisor then restarts it as it would one that died."""
+        """Give up on a hung worker process: SIGKILL (which also ends a SIGSTOPped one) to it and to its
+        backend's processes; the supervisor then restarts it as it would one that died."""
         if self.proc is not None and self.proc.is_alive():
             log.error("worker %d (pid %d): %s; killing it", self.index, self.proc.pid, why)
             self.proc.kill()
+        self.kill_processes()
+
+    def kill_processes(self) -> None:
+        """SIGKILL the backend's processes (a dead worker's may be left behind, an in-process one's hung)."""
+        for pid in self._backend_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.processes = []
+
+    def _backend_pids(self) -> list[int]:
+        if self.inline:
+            return _processes(self.text.backend) if self.text is not None else []
+        return self.processes
+
+    def status(self) -> list[dict]:
+        """What /health shows: the worker, or each process of its backend (a track engine's ranks)."""
+        pids = self._backend_pids()
+        return [{"index": i if pids else self.index, "pid": pid, "device": self.device, "ready": self.ready,
+                 "outstanding": self.load_now, "restarts": self.restarts} for i, pid in enumerate(pids or [self.pid])]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Blocking: ask the process to exit, kill it if it does not."""
@@ -242,12 +270,13 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None,
-                 generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0):
+                 generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0,
+                 ranks: dict | None = None):
         inline = workers == 0
         count = max(workers, 1)
         self.deadline = deadline
         self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation, deadline,
-                               heartbeat) for i in range(count)]
+                               heartbeat, ranks) for i in range(count)]
         self.metrics = metrics
         if metrics is not None and generation is not None:
             for w in self.workers:
@@ -312,9 +341,13 @@ class WorkerPool:
         now = time.monotonic()
         return all(w.ready and now - w.last_probe_ok <= within for w in self.workers)
 
+    def _backend_pids(self) -> list[int]:
+        if self.inline:
+            return _processes(self.text.backend) if self.text is not None else []
+        return self.processes
+
     def status(self) -> list[dict]:
-        return [{"index": w.index, "pid": w.pid, "device": w.device, "ready": w.ready,
-                 "outstanding": w.load_now, "restarts": w.restarts} for w in self.workers]
+        return [entry for w in self.workers for entry in w.status()]
 
     async def _supervise(self) -> None:
         while True:
@@ -336,6 +369,7 @@ class WorkerPool:
             if w.inline:  # a thread cannot be killed: its sequences fail and a fresh loop takes over
                 log.error("in-process generation loop: %s; starting a new one", why)
                 w.channel.fail("worker_hung")
+                w.kill_processes()  # a call waiting on them ends, and the new loop starts them afresh
                 w.start_loop()
                 w.restarts += 1
                 self._count_restart()
@@ -353,6 +387,7 @@ class WorkerPool:
                 self._count_restart()
                 return
             log.error("worker %d (pid %d) died with exit code %s; restarting it", w.index, w.proc.pid, w.proc.exitcode)
+            w.kill_processes()
             self._gauge()
             task = asyncio.get_running_loop().create_task(self._restart(w))
             self._restarting.add(task)
