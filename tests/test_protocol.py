@@ -59,3 +59,43 @@ def test_union_errors_name_the_deepest_field_and_what_was_expected():
     where, message = explain({"prompt": {"a": 1}})
     assert where == "prompt" and "valid string" in message and "valid list" in message
     assert explain({"prompt": json.loads('"a\\ud800"')})[1].endswith("(a lone surrogate at character 1)")
+
+
+def test_response_models_leave_out_what_openai_leaves_out_and_parse_in_the_official_client():
+    """The typed responses dump to OpenAI's shapes: an empty delta is {}, a message without calls has no
+    `tool_calls`, a call's message has `content: null`, a chunk carries `usage: null`; the openai package's
+    own models read them back."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
+
+    from trtserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                          ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionLogprobs,
+                                          CompletionResponse, CompletionUsage, ToolCallDelta)
+
+    usage = CompletionUsage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    head = {"id": "x", "created": 1, "model": "m"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = ChatCompletionResponse(**head, usage=usage, choices=[
+        ChatChoice(index=0, message=AssistantMessage(content="hi"), logprobs=None, finish_reason="stop"),
+        ChatChoice(index=1, message=AssistantMessage(content=None, tool_calls=[call]), logprobs=None,
+                   finish_reason="tool_calls")]).model_dump()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"] == {"role": "assistant",
+                                                                                      "content": "hi"}
+    assert chat["choices"][1]["message"]["content"] is None and chat["choices"][1]["message"]["tool_calls"] == [call]
+    assert ChatCompletion.model_validate(chat).choices[1].message.tool_calls[0].function.name == "f"
+    chunks = [ChatCompletionChunk(**head, usage=None, choices=[ChatChunkChoice(index=0, delta=delta, logprobs=None,
+                                                                               finish_reason=finish)]).model_dump()
+              for delta, finish in [(ChatDelta(role="assistant", content=""), None), (ChatDelta(), "stop"),
+                                    (ChatDelta(tool_calls=[ToolCallDelta(index=0, **call)]), None)]]
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}, {}]
+    assert all(c["usage"] is None and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert OpenAIChunk.model_validate(chunks[2]).choices[0].delta.tool_calls[0].index == 0
+    text = CompletionResponse(**head, usage=usage, choices=[CompletionChoice(
+        index=0, text=" a b", finish_reason="length", logprobs=CompletionLogprobs(
+            tokens=[" a", " b"], token_logprobs=[-0.1, -0.5], top_logprobs=[{" a": -0.1}, {" b": -0.5}],
+            text_offset=[0, 2]))])
+    parsed = Completion.model_validate(json.loads(text.model_dump_json()))
+    assert parsed.object == "text_completion" and parsed.choices[0].logprobs.token_logprobs == [-0.1, -0.5]
+    # an echoed prompt's first token has no logprob: null, as vLLM answers (the openai package's type says float)
+    assert CompletionLogprobs(tokens=["a"], token_logprobs=[None], top_logprobs=[None], text_offset=[0]).model_dump()[
+        "token_logprobs"] == [None]

@@ -1,4 +1,5 @@
-"""build-engine: checkpoint -> ONNX -> backend artifact -> parity -> engine dir (atomic)."""
+"""build-engine: a source resolved once, then the build's steps in order (export -> precision -> decode graph ->
+TensorRT plan -> the fidelity gate), each adding its part of the manifest, sealed into the engine dir atomically."""
 
 from __future__ import annotations
 
@@ -122,16 +123,41 @@ def _max_seq(cfg: BuildConfig, source: ModelSource) -> int:
     return cfg.max_seq
 
 
+@dataclass
+class _Draft:
+    """What the build's steps share: the directory being written, the options, the resolved source, the
+    files one step hands the next, and the manifest as it grows (each step adds its part)."""
+
+    tmp: Path
+    cfg: BuildConfig
+    source: ModelSource
+    max_seq: int
+    backend: str
+    why: str
+    grid: list | None
+    manifest: dict = field(default_factory=dict)
+    fp32_graph: Path | None = None  # the export step's graph (in the export cache)
+
+    def engine(self) -> engine_dir.EngineDir:
+        return engine_dir.EngineDir(self.tmp, self.manifest)
+
+
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str,
                 grid=None) -> dict:
-    from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort, map_weights, resident_mb, share_weights
-    from trtserve.precision.run import Harness
-    from trtserve.precision.write import Gate, write_precision
+    """Run the build's steps in order into `tmp`; the manifest they composed."""
+    draft = _Draft(tmp, cfg, source, max_seq, backend, why, grid)
+    for run in (_export_step, _precision_step, _decode_graph_step, _tensorrt_step, _gate_step):
+        draft.manifest.update(run(draft))
+    return draft.manifest
 
-    onnx_path = tmp / ONNX_FILE
+
+def _export_step(d: _Draft) -> dict:
+    """The fp32 ONNX export (cached by the checkpoint's content), the tokenizer files, and what the engine is: the
+    model, its inputs and outputs, the shapes it takes, its pooling."""
+    source = d.source
     source_hash = source.source_hash()
-    fp32_graph = _export_cached(source, source_hash)
-    manifest = {
+    d.fp32_graph = _export_cached(source, source_hash)
+    part = {
         "model": {
             "id": source.model_id,
             "source": source.ref,  # what `trtserve fidelity` resolves again: a bundled name, a hub id or a path
@@ -141,59 +167,88 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
             "kind": source.info.kind,
             "architecture": vars(source.info),
         },
-        "io": _io_from_graph(fp32_graph),  # the policy keeps graph inputs and outputs fp32
-        "shapes": _shape_ranges(source, cfg.max_batch, max_seq),
+        "io": _io_from_graph(d.fp32_graph),  # the policy keeps graph inputs and outputs fp32
+        "shapes": _shape_ranges(source, d.cfg.max_batch, d.max_seq),
+        "versions": _versions(), "build_command": _rebuild_command(d.cfg),
     }
     if source.pooling is not None:
-        manifest.update(pooling=source.pooling.to_json(source.info.hidden_size))
-    target = cfg.fidelity_target or target_for(cfg.precision, source.info.kind)
-    harness = Harness(engine_dir.EngineDir(tmp, manifest), source, target, cfg.calibration)
-    harness.grid_shapes = grid or []
-    _copy_tokenizer_files(source, tmp)  # before any measurement: --confirm-grid's real-text rows are tokenized from it
-    manifest.update(versions=_versions(), build_command=_rebuild_command(cfg))
-    if grid:  # the gate's cases from it are labelled "<label> <input> b<batch> seq<length>"
-        manifest.update(confirm_grid={"grid": cfg.confirm_grid, "label": grid[0][0], "shapes": len(grid)})
+        part.update(pooling=source.pooling.to_json(source.info.hidden_size))
+    if d.grid:  # the gate's cases from it are labelled "<label> <input> b<batch> seq<length>"
+        part.update(confirm_grid={"grid": d.cfg.confirm_grid, "label": d.grid[0][0], "shapes": len(d.grid)})
+    _copy_tokenizer_files(source, d.tmp)  # before any measurement: --confirm-grid's real-text rows are tokenized from it
+    return part
+
+
+def _precision_step(d: _Draft) -> dict:
+    """The precision policy written into the portable graph (precision/write.py) and lowered to ONNX Runtime's
+    optimized graph, each try measured at the gate: the sections of the try it kept, and the measurement."""
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort, map_weights, resident_mb
+    from trtserve.precision.run import Harness
+    from trtserve.precision.write import Gate, write_precision
+
+    onnx_path = d.tmp / ONNX_FILE
+    target = d.cfg.fidelity_target or target_for(d.cfg.precision, d.source.info.kind)
+    harness = Harness(d.engine(), d.source, target, d.cfg.calibration)
+    harness.grid_shapes = d.grid or []
 
     def lower(graph: Path, int8_activations) -> dict:  # the portable graph -> ONNX Runtime's optimized graph
-        return dict(build_ort(graph, tmp, int8_activations), chosen_because=why)
+        return dict(build_ort(graph, d.tmp, int8_activations), chosen_because=d.why)
 
     def engine(precision: dict, backend_entry: dict, digest: str) -> engine_dir.EngineDir:
-        manifest.update(onnx={"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
-                              "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(fp32_graph)},
-                        precision=precision, backend=backend_entry)
-        return engine_dir.EngineDir(tmp, manifest)
+        d.manifest.update(onnx={"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),
+                                "exporter": "torch.onnx.export(dynamo=True)", "fp32_export_cache": str(d.fp32_graph)},
+                          precision=precision, backend=backend_entry)
+        return d.engine()
 
-    report = write_precision(cfg.precision, Gate(fp32_graph, onnx_path, source, harness, target, lower, engine))
-    chosen = engine_dir.as_manifest(manifest)  # the sections of the try write_precision kept
-    backend_entry = dict(chosen.backend.model_dump(exclude_unset=True), weights=map_weights(tmp / OPTIMIZED),
-                         resident_mb=resident_mb(tmp / OPTIMIZED))  # of the chosen graph only
-    if source.info.kind == "decoder":
-        from trtserve.engine_builder.kv_graph import build_kv
+    report = write_precision(d.cfg.precision, Gate(d.fp32_graph, onnx_path, d.source, harness, target, lower, engine))
+    chosen = engine_dir.as_manifest(d.manifest)  # the sections of the try write_precision kept
+    backend_entry = dict(chosen.backend.model_dump(exclude_unset=True), weights=map_weights(d.tmp / OPTIMIZED),
+                         resident_mb=resident_mb(d.tmp / OPTIMIZED))  # of the chosen graph only
+    return {"backend": backend_entry, "fidelity": report}
 
-        with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
-            kv = KvGraph.model_validate(build_kv(tmp, chosen))
-        if kv.file:
-            map_weights(tmp / kv.file)
-            kv = kv.model_copy(update={"weights": share_weights(tmp / OPTIMIZED, tmp / kv.file)})  # one copy of both
-        else:
-            say(f"no decode graph: {kv.why_not}; decoding copies the cache per step")
-        backend_entry.update(kv_graph=kv.model_dump(exclude_unset=True))
-    manifest.update(backend=backend_entry)
-    if backend == "tensorrt":  # the ONNX Runtime graph stays beside the plan: the CPU fallback
-        from trtserve.engine_builder.tensorrt import build_trt
 
-        with step("building the TensorRT plan"):
-            manifest.update(tensorrt=dict(build_trt(onnx_path, tmp, chosen, cfg.trt), chosen_because=why))
-    manifest.update(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), fidelity=report)
-    if not report["passed"] and not cfg.allow_low_fidelity:
+def _decode_graph_step(d: _Draft) -> dict:
+    """A decoder's in-place decode graph (engine_builder/kv_graph.py), checked against the optimized graph."""
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, map_weights, share_weights
+
+    if d.source.info.kind != "decoder":
+        return {}
+    from trtserve.engine_builder.kv_graph import build_kv
+
+    with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
+        kv = KvGraph.model_validate(build_kv(d.tmp, engine_dir.as_manifest(d.manifest)))
+    if kv.file:
+        map_weights(d.tmp / kv.file)
+        kv = kv.model_copy(update={"weights": share_weights(d.tmp / OPTIMIZED, d.tmp / kv.file)})  # one copy of both
+    else:
+        say(f"no decode graph: {kv.why_not}; decoding copies the cache per step")
+    return {"backend": dict(d.manifest["backend"], kv_graph=kv.model_dump(exclude_unset=True))}
+
+
+def _tensorrt_step(d: _Draft) -> dict:
+    """The TensorRT plan from the portable graph, where the build is for TensorRT; the ONNX Runtime graph stays
+    beside it, the CPU fallback."""
+    if d.backend != "tensorrt":
+        return {}
+    from trtserve.engine_builder.tensorrt import build_trt
+
+    with step("building the TensorRT plan"):
+        plan = build_trt(d.tmp / ONNX_FILE, d.tmp, engine_dir.as_manifest(d.manifest), d.cfg.trt)
+    return {"tensorrt": dict(plan, chosen_because=d.why)}
+
+
+def _gate_step(d: _Draft) -> dict:
+    """Nothing is written when the kept try misses the fidelity target, unless --allow-low-fidelity."""
+    report = d.manifest["fidelity"]
+    if not report["passed"] and not d.cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])
-        wider = " or ".join(p for p in ("hybrid", "fp32") if p != cfg.precision)
+        wider = " or ".join(p for p in ("hybrid", "fp32") if p != d.cfg.precision)
         raise TrtServeError(
-            f"the {cfg.precision} engine misses the fidelity target ({len(report['failures'])} failures, e.g. {first}); "
-            f"nothing was written. Use --precision {wider}, relax --fidelity-target, "
+            f"the {d.cfg.precision} engine misses the fidelity target ({len(report['failures'])} failures, e.g. "
+            f"{first}); nothing was written. Use --precision {wider}, relax --fidelity-target, "
             "or pass --allow-low-fidelity to keep it anyway"
         )
-    return manifest
+    return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def remeasure(engine: engine_dir.EngineDir, calibration=None) -> dict:

@@ -24,6 +24,19 @@ def kv_graph_of(engine) -> str | None:
     return entry.file if entry and entry.file == KV_GRAPH and engine.file(KV_GRAPH).is_file() else None
 
 
+def checked_lengths(slots, first: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens cached in slots [first, first + len(counts)) of `slots` (anything with slots, length and capacity)
+    before and after a call feeds them `counts` more; InputError for slots out of range or a context overrun."""
+    rows = len(counts)
+    if first < 0 or first + rows > slots.slots:
+        raise InputError(f"slots {first}..{first + rows - 1} are outside 0..{slots.slots - 1}")
+    before = slots.length[first:first + rows]
+    after = before + counts
+    if (after > slots.capacity).any():
+        raise InputError(f"a sequence would hold {int(after.max())} tokens, the cache holds {slots.capacity}")
+    return before, after
+
+
 _RELEASABLE = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_DONTNEED")  # POSIX (Linux, macOS)
 
 
@@ -95,12 +108,7 @@ class KVSlots:
         """Feed slots [first, first + B) their new tokens: ids (B, S) right-padded, counts (B,) real tokens per
         row (0: idle), logit_index (B, K) positions within the S new ones. Returns logits (B, K, V)."""
         rows, width = ids.shape
-        if first < 0 or first + rows > self.slots:
-            raise InputError(f"slots {first}..{first + rows - 1} are outside 0..{self.slots - 1}")
-        before = self.length[first:first + rows]
-        after = before + counts
-        if (after > self.capacity).any():
-            raise InputError(f"a sequence would hold {int(after.max())} tokens, the cache holds {self.capacity}")
+        before, after = checked_lengths(self, first, counts)
         if (after < 1).any():
             raise InputError("an idle row has no cached tokens")
         if rows > 1 and (before + width > self.capacity).any():

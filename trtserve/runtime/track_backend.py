@@ -19,6 +19,7 @@ import numpy as np
 
 from trtserve.errors import InputError, TrtServeError
 from trtserve.runtime.base import Abilities, BackendLost
+from trtserve.runtime.kv_slots import checked_lengths
 
 
 class TrackBackend:
@@ -99,12 +100,7 @@ class TrackSlots:
     def run(self, first: int, ids: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
         """As KVSlots.run: logits (B, K, V) over the tokenizer's ids, -inf where the model has no token."""
         rows = ids.shape[0]
-        if first < 0 or first + rows > self.slots:
-            raise InputError(f"slots {first}..{first + rows - 1} are outside 0..{self.slots - 1}")
-        before = self.length[first:first + rows]
-        after = before + counts
-        if (after > self.capacity).any():
-            raise InputError(f"a sequence would hold {int(after.max())} tokens, the context is {self.capacity}")
+        before, after = checked_lengths(self, first, counts)
         every = logit_index.shape[1] > 1
         out = np.full((rows, logit_index.shape[1], self.vocab), -np.inf, np.float32)
         groups: dict[tuple[int, int], list[int]] = {}

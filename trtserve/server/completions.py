@@ -13,6 +13,10 @@ from starlette.responses import StreamingResponse
 
 from trtserve.server.errors import ServingError, Timeout
 from trtserve.server.generation import GenerationService, Job, Submission
+from trtserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                      ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice,
+                                      CompletionLogprobs, CompletionResponse, CompletionUsage, TokenLogprob,
+                                      TopLogprob, ToolCallDelta)
 
 
 async def _merged(submission: Submission, deadline: Deadline):
@@ -65,51 +69,53 @@ async def _get_before(queue: asyncio.Queue, deadline: Deadline):
 
 
 class _Shape:
-    """What differs between the two endpoints: object names, where text goes, logprob format."""
+    """What differs between the two endpoints: the response models, where text goes, logprob format."""
 
     def __init__(self, service: GenerationService, chat: bool, model: str):
         self.service, self.chat, self.model = service, chat, model
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def envelope(self, choices: list, usage: dict | None, chunk: bool) -> dict:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-        if usage is not None or chunk:
-            body["usage"] = usage
-        return body
+    def envelope(self, choices: list, usage: CompletionUsage | None, chunk: bool):
+        kind = (ChatCompletionChunk if chunk else ChatCompletionResponse) if self.chat else CompletionResponse
+        return kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def logprobs(self, entries: list, offset: int = 0):
+    def logprobs(self, entries: list, offset: int = 0) -> ChatLogprobs | CompletionLogprobs | None:
         if not entries:
             return None
         decode = self.service.tokenizer.decode
+
+        def top(token: int, logprob: float) -> dict:
+            return {"token": decode([token]), "logprob": logprob, "bytes": list(decode([token]).encode())}
+
         if self.chat:
-            return {"content": [{"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()),
-                                 "top_logprobs": [{"token": decode([k]), "logprob": v, "bytes": list(decode([k]).encode())}
-                                                  for k, v in top]} for t, lp, top in entries]}
+            return ChatLogprobs(content=[TokenLogprob(**top(t, lp), top_logprobs=[TopLogprob(**top(k, v)) for k, v in alt])
+                                         for t, lp, alt in entries])
         tokens = [decode([t]) for t, _, _ in entries]
         offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if top is None else {decode([k]): v for k, v in top} for _, _, top in entries],
-                "text_offset": offsets}  # a prompt's first token has no logprob: None, as in OpenAI's and vLLM's
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[lp for _, lp, _ in entries],
+            top_logprobs=[None if alt is None else {decode([k]): v for k, v in alt} for _, _, alt in entries],
+            text_offset=offsets)  # a prompt's first token has no logprob: None, as in OpenAI's and vLLM's
 
-    def choice(self, index: int, text: str, finish: str | None, logprobs, chunk: bool, first: bool = False) -> dict:
+    def choice(self, index: int, text: str, finish: str | None, logprobs, chunk: bool, first: bool = False):
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
         if chunk:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+            delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text or None)
+            return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return ChatChoice(index=index, message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=finish)
 
 
-def _usage(jobs: list[Job], completion_tokens: int) -> dict:
+def _usage(jobs: list[Job], completion_tokens: int) -> CompletionUsage:
     prompt = sum(len(j.prompt) for j in {id(j.prompt): j for j in jobs}.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                           total_tokens=prompt + completion_tokens)
 
 
 async def complete(service: GenerationService, jobs: list[Job], submission: Submission, chat: bool, model: str,
                    deadline: Deadline) -> dict:
+    """The whole answer, as the JSON body of ChatCompletionResponse or CompletionResponse."""
     shape = _Shape(service, chat, model)
     texts = [job.echo for job in jobs]
     entries: list[list] = [[] for _ in jobs]
@@ -128,9 +134,9 @@ async def complete(service: GenerationService, jobs: list[Job], submission: Subm
     for i, choice in enumerate(choices):
         calls = _calls(jobs[i], texts[i], finish[i])
         if calls:  # the answer is a call: no content, OpenAI's finish reason
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-            choice["finish_reason"] = "tool_calls"
-    return shape.envelope(choices, _usage(jobs, tokens), chunk=False)
+            choice.message = AssistantMessage(content=None, tool_calls=calls)
+            choice.finish_reason = "tool_calls"
+    return shape.envelope(choices, _usage(jobs, tokens), chunk=False).model_dump()
 
 
 def _calls(job: Job, text: str, finish: str | None) -> list | None:
@@ -195,15 +201,16 @@ def _held_answer(shape: _Shape, index: int, text: str, entries: list, finish: st
     if not calls:
         yield _event(shape.envelope([shape.choice(index, text, finish, logprobs, True)], None, True))
         return
-    delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-    yield _event(shape.envelope([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
+    delta = ChatDelta(tool_calls=[ToolCallDelta(index=k, **call) for k, call in enumerate(calls)])
+    yield _event(shape.envelope([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None)],
                                 None, True))
-    yield _event(shape.envelope([{"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}],
-                                None, True))
+    yield _event(shape.envelope([ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=None,
+                                                 finish_reason="tool_calls")], None, True))
 
 
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+def _event(body) -> str:
+    """One server-sent event: a response model (a chunk), or an error body."""
+    return f"data: {json.dumps(body if isinstance(body, dict) else body.model_dump(), ensure_ascii=False)}\n\n"
 
 
 

@@ -157,6 +157,105 @@ class CompletionUsage(BaseModel):
     total_tokens: int
 
 
+# -- responses of /v1/completions and /v1/chat/completions (server/completions.py builds them); an optional
+# field OpenAI's shapes leave out when empty is left out here too (`_absent`) ------------------------------
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # a prompt's first token has none
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+def _absent():
+    return Field(None, exclude_if=lambda value: value is None)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = _absent()
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = _absent()
+    content: str | None = _absent()
+    tool_calls: list[ToolCallDelta] | None = _absent()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class _Answer(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: CompletionUsage | None  # a whole answer's; a chunk's is null but on the last (include_usage)
+
+
+class CompletionResponse(_Answer):
+    """A whole completion, or one chunk of a streamed one (the same object)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Answer):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
 class TokenizeCompletionRequest(_Request):
     """vLLM's /tokenize for a prompt."""
 

@@ -1,5 +1,7 @@
-"""Workers that own a backend each: processes (one per GPU, pinned with CUDA_VISIBLE_DEVICES, or N on
-the CPU) or, with --workers 0, the server process itself. Batches go to the ready worker with the
+"""Workers that own a backend each: processes (ProcessWorker: one per GPU, pinned with
+CUDA_VISIBLE_DEVICES, or N on the CPU) or, with --workers 0, the server process itself
+(InProcessWorker); how a worker runs is its class, what it serves (embedding batches, or the continuous
+batcher of a decoder, track-sharded ones included) its options. Batches go to the ready worker with the
 least outstanding rows; a supervisor restarts a worker process that dies, and the batches it held
 fail with 503 instead of hanging.
 
@@ -84,46 +86,111 @@ def _processes(backend) -> list[int]:
 
 
 class Worker:
-    """One backend owner. Calls run one at a time on its own thread, so one batch is in flight."""
+    """What every backend owner has, however it runs (ProcessWorker, InProcessWorker): what it serves
+    (`generation` options: the continuous batcher; None: batches of embedding rows), its channel, load and
+    restarts. Calls run one at a time on its own thread, so one batch is in flight."""
 
-    def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None, inline: bool,
+    inline = False  # whether it runs in the server process
+
+    def __init__(self, index: int, engine_dir: str, device: int | None, threads: int | None,
                  generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0,
                  ranks: dict | None = None):
-        self.index, self.engine_dir, self.device, self.threads, self.inline = index, engine_dir, device, threads, inline
+        self.index, self.engine_dir, self.device, self.threads = index, engine_dir, device, threads
         self.ranks = ranks  # a track-sharded engine's rank options: its backend runs processes of its own
-        self.processes: list[int] = []  # their pids, as a worker process reported them when it was ready
         self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
         self.on_prefix = None  # decoders: (new prefix-cache queries, hits) as the worker reports them
         self.deadline = deadline  # seconds one call (or one generation step) may take
         self.heartbeat_timeout = heartbeat  # seconds a worker process may go without a beat
-        self.heartbeat = None  # the process's last beat (shared memory, time.monotonic())
         self.channel = None  # GenerationChannel of a decoder worker
-        self.thread: threading.Thread | None = None  # the generation loop of an in-process decoder worker
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trtserve-worker-{index}")
         self.outstanding = 0  # rows sent and not yet answered
         self.ready = False
         self.restarts = 0
         self.last_probe_ok = 0.0
-        self.proc = self.conn = self.text = None
+        self.conn = None
+
+    # -- how it runs: each kind's own -----------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        raise NotImplementedError
+
+    def load(self) -> None:
+        """Load the engine (and start the generation loop); blocking, on the worker's own thread."""
+        raise NotImplementedError
+
+    def call(self, rows: list[list[int]]):
+        """Run one batch of embedding rows; blocking, on the worker's own thread."""
+        raise NotImplementedError
+
+    def died(self) -> bool:
+        raise NotImplementedError
+
+    def silent(self) -> float | None:
+        """Seconds since its last heartbeat, when over --heartbeat-timeout (None: beating, or no heartbeat)."""
+        return None
+
+    def hung(self, why: str, error: str) -> bool:
+        """Give up on it (silent, or stalled): what it held fails with `error`; whether it is running again
+        already (an in-process loop is replaced at once; a process is killed, and restarted once died())."""
+        raise NotImplementedError
+
+    def revive(self) -> bool:
+        """After died(): whether it runs again already (an in-process loop); False: restart it with load()."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def _backend_pids(self) -> list[int]:
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------------
+    def _open_channel(self) -> None:
+        from trtserve.server.generation_worker import GenerationChannel
+
+        self.channel = GenerationChannel(self.conn, self.loop)
+        self.channel.on_prefix = self.on_prefix
+
+    @property
+    def load_now(self) -> int:
+        """Outstanding work: rows for embeddings, open sequences for generation."""
+        return len(self.channel.streams) if self.channel is not None else self.outstanding
+
+    def stalled(self) -> bool:
+        """A decoder worker that holds sequences and has not answered within its deadline."""
+        return self.ready and self.channel is not None and self.channel.stalled(self.deadline)
+
+    def kill_processes(self) -> None:
+        """SIGKILL the backend's processes (a dead worker's may be left behind, a hung one's too)."""
+        for pid in self._backend_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def status(self) -> list[dict]:
+        """What /health shows: the worker, or each process of its backend (a track engine's ranks)."""
+        pids = self._backend_pids()
+        return [{"index": i if pids else self.index, "pid": pid, "device": self.device, "ready": self.ready,
+                 "outstanding": self.load_now, "restarts": self.restarts} for i, pid in enumerate(pids or [self.pid])]
+
+
+class ProcessWorker(Worker):
+    """A worker process (spawned, pinned to its GPU): it beats a heartbeat, each call into it has the deadline,
+    and one that dies or hangs is killed and loaded afresh."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.proc = None
+        self.heartbeat = None  # the process's last beat (shared memory, time.monotonic())
+        self.processes: list[int] = []  # its backend's processes, as it reported them when it was ready
 
     @property
     def pid(self) -> int | None:
-        if self.inline:
-            return os.getpid()
         return self.proc.pid if self.proc is not None else None
 
     def load(self) -> None:
-        """Start the process (or load in this one) and wait until the engine is loaded. Blocking."""
-        if self.inline:
-            if self.text is None:
-                self.text = _load(self.engine_dir, self.threads, self.ranks)
-            if self.generation is not None:
-                from trtserve.server.generation_worker import new_batcher
-
-                self.start_loop(new_batcher(self.text, **self.generation))
-            self.ready = True
-            return
         if self.conn is not None:  # the pipe of a process that died
             self.conn.close()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads or a GPU context
@@ -158,33 +225,7 @@ class Worker:
             self._open_channel()
         self.ready = True
 
-    def start_loop(self, batcher=None) -> None:
-        """In-process decoder worker: the batcher on a thread of this process, over a local pipe."""
-        from trtserve.server.generation_worker import generation_loop
-
-        parent, child = multiprocessing.Pipe()
-        self.thread = threading.Thread(target=generation_loop, args=(child, self.text),
-                                       kwargs={**self.generation, "batcher": batcher},
-                                       name="trtserve-generation", daemon=True)
-        self.thread.start()
-        self.conn = parent
-        self._open_channel()
-
-    def _open_channel(self) -> None:
-        from trtserve.server.generation_worker import GenerationChannel
-
-        self.channel = GenerationChannel(self.conn, self.loop)
-        self.channel.on_prefix = self.on_prefix
-
-    @property
-    def load_now(self) -> int:
-        """Outstanding work: rows for embeddings, open sequences for generation."""
-        return len(self.channel.streams) if self.channel is not None else self.outstanding
-
     def call(self, rows: list[list[int]]):
-        """Run one batch on this worker. Blocking; runs on the worker's own thread."""
-        if self.inline:
-            return self.text.encode_ids(rows)
         conn = self.conn
         if not self.ready or conn is None:
             raise Unavailable(f"worker {self.index} is restarting; retry the request")
@@ -202,58 +243,39 @@ class Worker:
         return value
 
     def died(self) -> bool:
-        if self.inline:
-            return self.ready and self.thread is not None and not self.thread.is_alive()
         return self.ready and self.proc is not None and not self.proc.is_alive()
 
     def silent(self) -> float | None:
-        """Seconds since a ready worker process's last heartbeat, when over --heartbeat-timeout."""
-        if self.inline or not self.ready or self.heartbeat is None or not self.proc.is_alive():
+        if not self.ready or self.heartbeat is None or not self.proc.is_alive():
             return None
         quiet = silent_for(self.heartbeat)
         return quiet if quiet > self.heartbeat_timeout else None
 
-    def stalled(self) -> bool:
-        """A decoder worker that holds sequences and has not answered within its deadline."""
-        return self.ready and self.channel is not None and self.channel.stalled(self.deadline)
+    def hung(self, why: str, error: str) -> bool:
+        if self.channel is not None:
+            self.channel.fail(error)
+        self.kill(why)  # died() sees it next
+        return False
+
+    def revive(self) -> bool:
+        log.error("worker %d (pid %d) died with exit code %s; restarting it", self.index, self.proc.pid,
+                  self.proc.exitcode)
+        self.kill_processes()  # a worker that died without ending them
+        self.processes = []
+        return False
 
     def kill(self, why: str) -> None:
-        """Give up on a hung worker process: SIGKILL (which also ends a SIGSTOPped one) to it and to its
-        backend's processes; the supervisor then restarts it as it would one that died."""
+        """SIGKILL (which also ends a SIGSTOPped process) to it and to its backend's processes."""
         if self.proc is not None and self.proc.is_alive():
             log.error("worker %d (pid %d): %s; killing it", self.index, self.proc.pid, why)
             self.proc.kill()
         self.kill_processes()
-
-    def kill_processes(self) -> None:
-        """SIGKILL the backend's processes (a dead worker's may be left behind, an in-process one's hung)."""
-        for pid in self._backend_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.processes = []
-
-    def _backend_pids(self) -> list[int]:
-        if self.inline:
-            return _processes(self.text.backend) if self.text is not None else []
-        return self.processes
-
-    def status(self) -> list[dict]:
-        """What /health shows: the worker, or each process of its backend (a track engine's ranks)."""
-        pids = self._backend_pids()
-        return [{"index": i if pids else self.index, "pid": pid, "device": self.device, "ready": self.ready,
-                 "outstanding": self.load_now, "restarts": self.restarts} for i, pid in enumerate(pids or [self.pid])]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Blocking: ask the process to exit, kill it if it does not."""
         self.ready = False
         if self.channel is not None:
             self.channel.stop_worker()
-        if self.inline:
-            if self.text is not None and self.channel is None:
-                self.text.backend.close()
-            return
         if self.proc is None:
             return
         if self.channel is None:  # a decoder worker's pipe is written by its channel's thread only
@@ -267,16 +289,85 @@ class Worker:
             self.proc.join(5)
         self.conn.close()
 
+    def _backend_pids(self) -> list[int]:
+        return self.processes
+
+
+class InProcessWorker(Worker):
+    """The server process itself (--workers 0): batches run on the worker's thread, the generation loop on a
+    thread of its own. A thread cannot be killed: a stalled loop's sequences fail and a fresh loop takes over;
+    calls into it get 503 at the deadline."""
+
+    inline = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.text = None
+        self.thread: threading.Thread | None = None  # the generation loop
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid()
+
+    def load(self) -> None:
+        if self.text is None:
+            self.text = _load(self.engine_dir, self.threads, self.ranks)
+        if self.generation is not None:
+            from trtserve.server.generation_worker import new_batcher
+
+            self.start_loop(new_batcher(self.text, **self.generation))
+        self.ready = True
+
+    def start_loop(self, batcher=None) -> None:
+        """The batcher on a thread of this process, over a local pipe."""
+        from trtserve.server.generation_worker import generation_loop
+
+        parent, child = multiprocessing.Pipe()
+        self.thread = threading.Thread(target=generation_loop, args=(child, self.text),
+                                       kwargs={**self.generation, "batcher": batcher},
+                                       name="trtserve-generation", daemon=True)
+        self.thread.start()
+        self.conn = parent
+        self._open_channel()
+
+    def call(self, rows: list[list[int]]):
+        return self.text.encode_ids(rows)
+
+    def died(self) -> bool:
+        return self.ready and self.thread is not None and not self.thread.is_alive()
+
+    def hung(self, why: str, error: str) -> bool:
+        log.error("in-process generation loop: %s; starting a new one", why)
+        self.channel.fail(error)
+        self.kill_processes()  # a call waiting on them ends, and the new loop starts them afresh
+        self.start_loop()
+        return True
+
+    def revive(self) -> bool:
+        log.error("the in-process generation loop stopped; starting a new one")
+        self.channel.fail("worker_died")
+        self.start_loop()
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.ready = False
+        if self.channel is not None:
+            self.channel.stop_worker()
+        elif self.text is not None:
+            self.text.backend.close()
+
+    def _backend_pids(self) -> list[int]:
+        return _processes(self.text.backend) if self.text is not None else []
+
 
 class WorkerPool:
     def __init__(self, engine_dir: str, workers: int, devices: list[int | None], threads: int | None, metrics=None,
                  generation: dict | None = None, deadline: float = 120.0, heartbeat: float = 10.0,
                  ranks: dict | None = None):
-        inline = workers == 0
-        count = max(workers, 1)
+        kind = InProcessWorker if workers == 0 else ProcessWorker  # how they run; `generation`: what they serve
         self.deadline = deadline
-        self.workers = [Worker(i, engine_dir, devices[i % len(devices)], threads, inline, generation, deadline,
-                               heartbeat, ranks) for i in range(count)]
+        self.workers: list[Worker] = [kind(i, engine_dir, devices[i % len(devices)], threads, generation, deadline,
+                                           heartbeat, ranks) for i in range(max(workers, 1))]
         self.metrics = metrics
         if metrics is not None and generation is not None:
             for w in self.workers:
@@ -341,11 +432,6 @@ class WorkerPool:
         now = time.monotonic()
         return all(w.ready and now - w.last_probe_ok <= within for w in self.workers)
 
-    def _backend_pids(self) -> list[int]:
-        if self.inline:
-            return _processes(self.text.backend) if self.text is not None else []
-        return self.processes
-
     def status(self) -> list[dict]:
         return [entry for w in self.workers for entry in w.status()]
 
@@ -361,33 +447,19 @@ class WorkerPool:
     def _check(self, w: Worker) -> None:
         quiet = w.silent()
         if quiet is not None:  # stopped or wedged: whatever it held fails now, not at the step deadline
-            if w.channel is not None:
-                w.channel.fail("worker_hung")
-            w.kill(f"no heartbeat for {quiet:.1f} s (--heartbeat-timeout {w.heartbeat_timeout:g})")  # died() next
+            why = f"no heartbeat for {quiet:.1f} s (--heartbeat-timeout {w.heartbeat_timeout:g})"
         elif w.stalled():
             why = f"it held sequences and made no progress for {w.deadline:g} s (--worker-timeout)"
-            if w.inline:  # a thread cannot be killed: its sequences fail and a fresh loop takes over
-                log.error("in-process generation loop: %s; starting a new one", why)
-                w.channel.fail("worker_hung")
-                w.kill_processes()  # a call waiting on them ends, and the new loop starts them afresh
-                w.start_loop()
-                w.restarts += 1
-                self._count_restart()
-            else:
-                w.channel.fail("worker_hung")
-                w.kill(why)  # died() sees it next round
+        else:
+            why = None
+        if why is not None and w.hung(why, "worker_hung"):
+            self._restarted(w)
         if w.died():
             w.ready = False
-            if w.inline:
-                log.error("the in-process generation loop stopped; starting a new one")
-                w.channel.fail("worker_died")
-                w.start_loop()
+            if w.revive():
                 w.ready = True
-                w.restarts += 1
-                self._count_restart()
+                self._restarted(w)
                 return
-            log.error("worker %d (pid %d) died with exit code %s; restarting it", w.index, w.proc.pid, w.proc.exitcode)
-            w.kill_processes()
             self._gauge()
             task = asyncio.get_running_loop().create_task(self._restart(w))
             self._restarting.add(task)
@@ -397,7 +469,8 @@ class WorkerPool:
         self.metrics.prefix_queries.inc(max(queries, 0))
         self.metrics.prefix_hits.inc(max(hits, 0))
 
-    def _count_restart(self) -> None:
+    def _restarted(self, w: Worker) -> None:
+        w.restarts += 1
         if self.metrics is not None:
             self.metrics.worker_restarts.inc()
 
@@ -412,8 +485,7 @@ class WorkerPool:
                 wait = RESTART_BACKOFF[min(attempt, len(RESTART_BACKOFF) - 1)]
                 log.error("worker %d failed to restart (%s); next try in %g s", w.index, exc, wait)
                 await asyncio.sleep(wait)
-        w.restarts += 1
-        self._count_restart()
+        self._restarted(w)
         self._gauge()
         log.info("worker %d restarted as pid %d", w.index, w.pid)
 
