@@ -2,6 +2,7 @@
 
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -19,28 +20,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(engine, *flags, env: dict | None = None):
-    """`env`: the server's whole environment (its worker processes inherit it); None: this one's."""
+def start_server(engine, *flags, env: dict | None = None, verify=None):
+    """`env`: the server's whole environment (its worker processes inherit it); None: this one's. `verify`: the
+    CA file of a server that serves HTTPS (--ssl-certfile)."""
     port = free_port()
     return launch([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags], port,
-                  env=env, name="trtserve-server")
+                  env=env, name="trtserve-server", verify=verify)
 
 
-def launch(argv: list, port: int, env: dict | None = None, name: str = "server"):
+def launch(argv: list, port: int, env: dict | None = None, name: str = "server", verify=None):
     """Start a server that listens on `port` (its output to a log file, `proc.log_path`); (process, url) once
-    its /health answers 200, within 120 s."""
+    its /health answers 200, within 120 s. `verify`: HTTPS, checked against this CA file."""
     # The log goes to a file: an unread pipe fills up after a few hundred access-log lines and
     # then blocks the server.
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     proc.log_path = Path(log.name)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if verify else 'http'}://127.0.0.1:{port}"
+    checked = ssl.create_default_context(cafile=str(verify)) if verify else True
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"{name} exited: " + proc.log_path.read_text()[-3000:])
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1, verify=checked).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass

@@ -203,6 +203,18 @@ def test_concurrent_requests_each_get_their_own_answer(client):
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("completions", {"prompt": "word " * 2100}, "over this engine's context"),
     ("completions", {"prompt": ""}, "no tokens"),
+    ("completions", {"prompt": "hi", "logit_bias": {"49152": 5}}, "logit_bias keys are token ids in [0, 49152)"),
+    ("completions", {"prompt": "hi", "logit_bias": {"-3": 5}}, "'-3' is not one"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [2, 10**6]}, "stop_token_ids must be token ids"),
+    ("completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens (5) is over max_tokens (4)"),
+    ("completions", {"prompt": "hi", "best_of": 3}, "`best_of` is not applied by this server"),
+    ("completions", {"prompt": "hi", "allowed_token_ids": [10**7]}, "allowed_token_ids must be token ids"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}},
+     "`audio` is not applied"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}},
+     "chat_template_kwargs.tools is set by the request itself"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True,
+                          "add_generation_prompt": True}, "cannot both be true"),
     ("embeddings", {"input": "hi"}, "decoder engine"),
 ])
 def test_bad_generation_requests_are_openai_shaped_400s(server, path, body, message):
@@ -323,3 +335,117 @@ def test_a_stop_string_found_by_the_server_cancels_the_sequence_in_the_worker(se
     while metric(server, "trtserve_running_sequences") > 0 and time.time() < deadline:
         time.sleep(0.1)
     assert metric(server, "trtserve_running_sequences") == 0  # not decoding on to max_tokens
+
+
+def _stepped(model, ids: list[int], steps: int, rule=None, stops=frozenset()) -> list[int]:
+    """Greedy tokens of transformers' model stepped by hand (its KV cache carried), each row of logits passed
+    through rule(row, generated) first; a token in `stops` ends it, unemitted."""
+    import torch
+
+    out, past, feed = [], None, torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(steps):
+            result = model(input_ids=feed, past_key_values=past, use_cache=True)
+            past, row = result.past_key_values, result.logits[0, -1].double().numpy()
+            token = int(np.argmax(rule(row.copy(), out) if rule else row))
+            if token in stops:
+                break
+            out.append(token)
+            feed = torch.tensor([[token]])
+    return out
+
+
+def test_sampling_parameters_apply_the_rules_transformers_gives_when_stepped_by_hand(client, smollm2):
+    """logit_bias, repetition_penalty, stop_token_ids and min_tokens through the real server (streamed and
+    not), each against the same rule applied to transformers' logits; min_p 1 samples the greedy tokens."""
+    from trtserve.models.loading import load_hf_tokenizer, load_torch_model
+    from trtserve.models.sources import resolve
+    from trtserve.runtime.text import SpecialTokens, load_tokenizer
+
+    source = resolve(MODEL)
+    model = load_torch_model(source, attention="eager")
+    tokenizer = load_hf_tokenizer(source.path)
+    eos = set(SpecialTokens.of(smollm2, load_tokenizer(smollm2)).eos_ids)
+    prompt = PROMPTS[1]
+    ids = tokenizer(prompt)["input_ids"]
+    plain = _stepped(model, ids, 12, stops=eos)
+
+    def bias(row, generated):
+        row[plain[0]] -= 100
+        row[plain[3]] += 4
+        return row
+
+    def penalty(row, generated):
+        seen = sorted(set(ids) | set(generated))
+        row[seen] = np.where(row[seen] > 0, row[seen] / 1.3, row[seen] * 1.3)
+        return row
+
+    cases = [({"logit_bias": {str(plain[0]): -100, str(plain[3]): 4}}, bias, eos),
+             ({"repetition_penalty": 1.3}, penalty, eos),
+             ({"stop_token_ids": [plain[4]]}, None, eos | {plain[4]})]
+    for body, rule, stops in cases:
+        expected = _stepped(model, ids, 12, rule, stops)
+        for stream in (False, True):
+            got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=stream,
+                                            extra_body=body)
+            text = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+            assert text == tokenizer.decode(expected), (body, stream)
+    # a one-word chat answer ends at once; min_tokens holds its end tokens back
+    asked = "<|im_start|>user\nName the capital of France, one word only.<|im_end|>\n<|im_start|>assistant\n"
+    chat_ids = tokenizer(asked)["input_ids"]
+    short = _stepped(model, chat_ids, 12, stops=eos)
+    held = _stepped(model, chat_ids, 12, lambda row, generated: _held(row, generated, eos, 8), eos)
+    assert len(short) < 8 <= len(held)
+    got = client.completions.create(model=MODEL, prompt=asked, max_tokens=12, temperature=0, extra_body={"min_tokens": 8})
+    assert got.choices[0].text == tokenizer.decode(held) and got.usage.completion_tokens == len(held)
+    sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=3,
+                                        extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == tokenizer.decode(plain)
+
+
+def _held(row, generated, ends, count):
+    if len(generated) < count:
+        row[sorted(ends)] = -np.inf
+    return row
+
+
+def test_the_checkpoints_chat_template_renders_as_transformers_apply_chat_template(smollm2):
+    """SmolLM2's own template through the server's renderer and through transformers' tokenizer: with and without
+    the generation prompt, a continued final message, tools and template kwargs."""
+    from trtserve.models.loading import load_hf_tokenizer
+    from trtserve.models.sources import resolve
+    from trtserve.runtime.text import SpecialTokens, load_tokenizer
+    from trtserve.server.chat import ChatRenderer
+
+    tokenizer = load_hf_tokenizer(resolve(MODEL).path)
+    renderer = ChatRenderer.for_engine(smollm2, SpecialTokens.of(smollm2, load_tokenizer(smollm2)))
+    messages = [{"role": "system", "content": "Tu es bref."}, {"role": "user", "content": "2 < 3 ?"},
+                {"role": "assistant", "content": "Oui, car"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False},
+                   {"continue_final_message": True}, {"add_generation_prompt": True, "tools": tools},
+                   {"add_generation_prompt": True, "chat_template_kwargs": {"custom": 1}}):
+        extra = kwargs.get("chat_template_kwargs", {})
+        expected = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=kwargs.get("add_generation_prompt", False),
+            continue_final_message=kwargs.get("continue_final_message", False), tools=kwargs.get("tools"), **extra)
+        got = renderer.render(messages, kwargs.get("add_generation_prompt", False), kwargs.get("tools"),
+                              kwargs.get("continue_final_message", False), extra or None)
+        assert got == expected, kwargs
+
+
+def test_continue_final_message_extends_the_assistants_words_and_model_may_be_left_out(server):
+    """The prompt ends inside the assistant's unfinished message (no end-of-turn, no new turn), so the answer
+    continues it; `model` left out names the one model served."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                         {"role": "assistant", "content": "The capital of France is"}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 6, "temperature": 0}
+    answer = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == MODEL and "Paris" in answer.json()["choices"][0]["message"]["content"]
+    rendered = httpx.post(f"{server}/tokenize", json={k: body[k] for k in ("messages", "continue_final_message",
+                                                                           "add_generation_prompt")}, timeout=60)
+    assert rendered.status_code == 200, rendered.text
+    tokens = rendered.json()["tokens"]
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tokens}, timeout=60).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")

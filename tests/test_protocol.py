@@ -16,6 +16,9 @@ BASE = {"model": "m", "prompt": "hi"}
     ("top_k", -2), ("n", 0), ("max_tokens", 0), ("max_tokens", 2**64), ("logprobs", 21),
     ("presence_penalty", 3), ("stop", ""), ("stop", ["x" * 257]), ("prompt", [[-1]]), ("prompt", [2**63]),
     ("prompt", {"text": "hi"}), ("stream", "sometimes"), ("stream_options", 5),
+    ("repetition_penalty", 0), ("repetition_penalty", -1), ("min_p", 1.5), ("min_p", -0.1), ("min_tokens", -1),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": -100.5}), ("logit_bias", [1]), ("logit_bias", {"5": "up"}),
+    ("stop_token_ids", [-1]), ("stop_token_ids", "7"), ("stop_token_ids", list(range(1025))),
 ])
 def test_out_of_range_and_wrong_type_fields_are_refused(field, value):
     with pytest.raises(ValidationError) as info:
@@ -99,3 +102,31 @@ def test_response_models_leave_out_what_openai_leaves_out_and_parse_in_the_offic
     # an echoed prompt's first token has no logprob: null, as vLLM answers (the openai package's type says float)
     assert CompletionLogprobs(tokens=["a"], token_logprobs=[None], top_logprobs=[None], text_offset=[0]).model_dump()[
         "token_logprobs"] == [None]
+
+
+def test_fields_the_server_does_not_apply_are_refused_by_name_unless_neutral():
+    from trtserve.server.errors import BadRequest
+    from trtserve.server.unserved import refuse_unserved
+
+    for neutral in ({"best_of": 1}, {"store": False}, {"modalities": ["text"]}, {"metadata": {"k": "v"}},
+                    {"skip_special_tokens": True}, {"service_tier": "auto"}):
+        refuse_unserved(CompletionRequest(**BASE, **neutral))
+    for field, value, why in [("best_of", 3, "ask for `n` choices"), ("suffix", "end", "insertion"),
+                              ("use_beam_search", True, "beam search"), ("store", True, "not stored"),
+                              ("truncate_prompt_tokens", 5, "never truncated"),
+                              ("chat_template", "{{ x }}", "--chat-template")]:
+        with pytest.raises(BadRequest, match=why) as caught:
+            refuse_unserved(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                                  **{field: value}))
+        assert caught.value.param == field and f"`{field}` is not applied" in caught.value.message
+
+
+def test_allowed_token_ids_leave_only_those_to_choose():
+    import numpy as np
+
+    from trtserve.runtime.sampling import Sampler, SamplingParams
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    assert Sampler(SamplingParams(temperature=0, allowed_token_ids=(2, 3)), 4).choose(logits)[0] == 2
+    sampler = Sampler(SamplingParams(seed=1, allowed_token_ids=(1, 3)), 4)
+    assert {sampler.choose(logits)[0] for _ in range(200)} == {1, 3}

@@ -165,3 +165,112 @@ def test_a_constraint_masks_the_choice_and_its_logprobs_stay_finite():
     token, logprob, top = sampler.choose(np.arange(8, dtype=np.float32))
     assert token == 5 and grammar.consumed == [5] and np.isfinite(logprob)
     assert [t for t, _ in top] == [5, 3] and all(np.isfinite(v) for _, v in top)  # ruled-out tokens are not listed
+
+
+def test_logit_bias_min_tokens_repetition_penalty_and_min_p_follow_their_rules():
+    """OpenAI's logit_bias, and vLLM's min_tokens, repetition_penalty (Hugging Face's formula) and min_p."""
+    greedy = dict(temperature=0)
+    # a bias of -100 rules the argmax out, +100 makes a token the choice
+    assert Sampler(SamplingParams(**greedy, logit_bias=((0, -100.0),)), 4).choose(LOGITS)[0] == 1
+    assert Sampler(SamplingParams(**greedy, logit_bias=((3, 100.0),)), 4).choose(LOGITS)[0] == 3
+    # end tokens (end-of-sequence and stop_token_ids) cannot come before min_tokens, then can
+    held = Sampler(SamplingParams(**greedy, min_tokens=2, stop_token_ids=(1,)), 4, eos_ids={0})
+    assert [held.choose(LOGITS)[0] for _ in range(3)] == [2, 2, 0]
+    # a seen token's logit l becomes l / p where l > 0, l * p otherwise: the prompt counts, and each choice
+    logits = np.array([2.0, 1.5, -1.0, -1.2], dtype=np.float32)
+    penalized = Sampler(SamplingParams(**greedy, repetition_penalty=2.0), 4, prompt=[0, 2])
+    assert penalized.choose(logits)[0] == 1  # 2.0 / 2 = 1.0 < 1.5
+    assert penalized.choose(logits)[0] == 0  # now 1.5 / 2 = 0.75 < 1.0
+    negative = Sampler(SamplingParams(**greedy, repetition_penalty=2.0), 4, prompt=[2])
+    assert negative.choose(np.array([-3.0, -2.5, -1.0, -1.9], dtype=np.float32))[0] == 3  # -1.0 * 2 = -2.0 < -1.9
+    # min_p 1: only the likeliest token stays, so sampling is greedy; min_p 0.5 keeps 0.5 and 0.3 (>= 0.25)
+    assert set(draw(SamplingParams(seed=3, min_p=1.0)).nonzero()[0]) == {0}
+    assert set(draw(SamplingParams(seed=4, min_p=0.5)).nonzero()[0]) == {0, 1}
+
+
+def test_stop_token_ids_end_a_sequence_even_with_ignore_eos():
+    from trtserve.runtime.sampling import finish_reason
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(7,))
+    assert finish_reason(7, params, {2}, 1, 5, 100) == "stop"
+    assert finish_reason(2, params, {2}, 1, 5, 100) is None
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"temperature": 3}', "temperature is 3; a sampling default must be in [0, 2]"),
+    ('{"top_k": 2.5}', "top_k is 2.5"),
+    ('{"repetition_penalty": 0}', "repetition_penalty is 0"),
+    ('{"top_p": "high"}', "top_p is 'high'"),
+    ("{not json", "is not readable JSON"),
+])
+def test_generation_config_defaults_out_of_range_are_refused_by_name(tmp_path, content, message):
+    from trtserve.errors import EngineDirError
+    from trtserve.runtime.generation_defaults import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(EngineDirError, match="--generation-config none") as caught:
+        generation_defaults(tmp_path)
+    assert message in str(caught.value)
+
+
+def test_generation_config_gives_only_the_sampling_fields_it_sets(tmp_path):
+    from trtserve.runtime.generation_defaults import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, '
+        '"max_new_tokens": 9, "min_p": null, "eos_token_id": [1, 2]}')
+    assert generation_defaults(tmp_path) == {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}
+
+
+TEMPLATES = {  # what chat templates of the served families lean on, each against transformers' own rendering
+    "loop controls": "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+                     "[{{ m.role }}] {{ m.content }}{% if loop.index > 2 %}{% break %}{% endif %}\n{% endfor %}",
+    "tojson keeps <, > and non-ASCII": "{{ messages | tojson }}|{{ tools | tojson(indent=2) }}",
+    "namespace and dict": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+                          "{{ ns.n }} {{ dict(a=1) | tojson }} {{ dict.fromkeys(['x']) | tojson }}",
+    "generation tag": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                      "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ eos_token }}{% endfor %}"
+                      "{% if add_generation_prompt %}<a>{% endif %}",
+    "date and kwargs": "{{ strftime_now('%Y') }} {{ enable_thinking | default(true) }} {{ bos_token }}"
+                       "{{ messages[-1].content }}",
+}
+MESSAGES = [{"role": "system", "content": "Sé breve <b>"}, {"role": "user", "content": "2 < 3 & \"ok\"?"},
+            {"role": "assistant", "content": "Oui"}, {"role": "user", "content": "Encore"}]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("continued", [False, True])
+def test_chat_templates_render_as_transformers_renders_them(name, continued):
+    pytest.importorskip("transformers", reason="needs transformers: pip install -e .[export]")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "<x> é", "parameters": {}}}]
+    messages = MESSAGES[:3] if continued else MESSAGES
+    kwargs = {"enable_thinking": False} if name == "date and kwargs" else {}
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    renderer = ChatRenderer(TEMPLATES[name], special)
+    if continued and "content" not in TEMPLATES[name]:  # transformers refuses it too: nothing to continue
+        with pytest.raises(BadRequest, match="never reads a message's content"):
+            renderer.render(messages, False, tools, True)
+        return
+    ours = renderer.render(messages, not continued, tools, continued, kwargs or None)
+    theirs, _ = render_jinja_template([messages], tools=tools, chat_template=TEMPLATES[name],
+                                      add_generation_prompt=not continued, continue_final_message=continued,
+                                      **special, **kwargs)
+    assert ours == theirs[0]
+
+
+def test_chat_template_failures_are_400s_naming_the_field():
+    renderer = ChatRenderer("{{ messages[0].content }}{{ limit + 1 }}")
+    with pytest.raises(BadRequest, match="chat_template_kwargs.messages is set by the request itself"):
+        renderer.render(MESSAGES, kwargs={"messages": []})
+    with pytest.raises(BadRequest, match="failed on this request: TypeError") as caught:
+        renderer.render(MESSAGES, kwargs={"limit": "ten"})
+    assert caught.value.param == "chat_template_kwargs"
+    with pytest.raises(BadRequest, match="does not keep the final message whole"):  # it cuts every content short
+        ChatRenderer("{% for m in messages %}{{ m.content[:3] }}{% endfor %}").render(MESSAGES, False,
+                                                                                      continue_final_message=True)
+    sneaky = ChatRenderer("{% set ns = namespace() %}{% set ns._x = 1 %}{{ ns }}")
+    with pytest.raises(BadRequest, match="cannot set '_x'"):
+        sneaky.render(MESSAGES)

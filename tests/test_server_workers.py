@@ -145,3 +145,50 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(minilm_engine):
     assert result["done"] > signalled  # it was still in flight when the signal came
     assert not running(worker)  # the worker process is gone too
     stop_server(proc)
+
+
+def test_operator_flags_https_cors_root_path_log_level_and_the_healthcheck_that_follows_them(minilm_engine,
+                                                                                              tmp_path):
+    """--ssl-keyfile/--ssl-certfile serve HTTPS (verified against the issuing CA), --allowed-origins answers a
+    browser's preflight before the API key check, --root-path reaches the OpenAPI page, --log-level and
+    --disable-uvicorn-access-log shape the log, and `trtserve healthcheck` finds the server from the same
+    TRTSERVE_* variables."""
+    trustme = pytest.importorskip("trustme", reason="needs trustme: pip install -e .[test]")
+    from tests.conftest import run_cli
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key, chain, authority = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key))
+    cert.cert_chain_pems[0].write_to_path(str(chain))
+    ca.cert_pem.write_to_path(str(authority))
+    refused = run_cli("serve", str(minilm_engine), "--ssl-keyfile", str(key), timeout=120)
+    assert refused.returncode == 2 and "--ssl-keyfile needs --ssl-certfile too" in refused.stderr, refused.stderr
+    proc, url = start_server(minilm_engine, "--ssl-keyfile", str(key), "--ssl-certfile", str(chain), "--api-key",
+                             "k", "--allowed-origins", "https://app.example", "--root-path", "/api",
+                             "--log-level", "warning", "--disable-uvicorn-access-log", verify=authority)
+    try:
+        import ssl
+
+        client = httpx.Client(verify=ssl.create_default_context(cafile=str(authority)), timeout=60)
+        preflight = client.options(f"{url}/v1/embeddings", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200 and \
+            preflight.headers["access-control-allow-origin"] == "https://app.example"
+        other = client.options(f"{url}/v1/embeddings", headers={"Origin": "https://evil.example",
+                                                                "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+        answer = client.post(f"{url}/v1/embeddings", json={"input": SENTENCE},  # `model` left out: the only one
+                             headers={"Authorization": "Bearer k", "Origin": "https://app.example"})
+        assert answer.status_code == 200 and answer.json()["model"] == MODEL
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        described = client.get(f"{url}/openapi.json", headers={"Authorization": "Bearer k"})
+        assert described.json()["servers"] == [{"url": "/api"}]  # a proxy's prefix, in links the page gives
+        port = url.rsplit(":", 1)[1]
+        healthy = run_cli("healthcheck", env={"TRTSERVE_PORT": port, "TRTSERVE_SSL_CERTFILE": str(chain)}, timeout=60)
+        assert healthy.returncode == 0 and f"https://127.0.0.1:{port}/health answered 200" in healthy.stdout
+        log = proc.log_path.read_text()
+        assert "POST /v1/embeddings" not in log and " INFO " not in log, log[-2000:]
+    finally:
+        stop_server(proc)

@@ -174,3 +174,21 @@ def test_bad_tool_requests_are_400_naming_the_field(server, extra, field):
                           json={"model": MODEL, "messages": WEATHER_ASK, **extra})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field, response.json()
+
+
+class Town(BaseModel):  # what the issue's report had: no bounds at all
+    name: str
+    country: str
+    population: int
+
+
+def test_parse_of_a_schema_with_an_unbounded_integer_finishes(client):
+    """Unbounded, SmolLM2 writes the population's digits until max_tokens; bounded as I-JSON advises (integers
+    within +-(2^53 - 1)), the answer ends and parses."""
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON: name, country, population."}],
+        response_format=Town, temperature=0, max_tokens=120)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    city = choice.message.parsed
+    assert isinstance(city, Town) and abs(city.population) <= 2**53 - 1

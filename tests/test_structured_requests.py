@@ -49,3 +49,67 @@ def test_bad_requests_name_the_field(extra, param):
     with pytest.raises(BadRequest) as caught:
         requested(ChatCompletionRequest(**CHAT, **extra))
     assert caught.value.param == param
+
+
+def _byte_tokenizer():
+    """A byte-level tokenizer with one token per byte (no merges): every text is spelled byte by byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))} | {"<eos>": 256},
+                                     merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _follows(grammar: str, text: str) -> bool | None:
+    """True: `text` is a whole answer of the grammar; None: a prefix of one; False: the grammar refuses it."""
+    import llguidance
+
+    from trtserve.runtime.constraints import grammar_tokenizer
+
+    tokenizer = _byte_tokenizer()
+    matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, 257, {256}), grammar, log_level=0)
+    for token in tokenizer.encode(text).ids:
+        if not matcher.consume_token(token):
+            return False
+    return True if matcher.is_accepting() else None
+
+
+def test_a_json_schema_is_bounded_so_that_an_answer_ends_and_still_validates():
+    """I-JSON's bounds where the schema sets none: integers and numbers within +-(2^53 - 1), numbers with at most
+    9 decimals, whitespace runs of at most 32; vLLM's disable_any_whitespace, whitespace_pattern and
+    disable_additional_properties; bounds the schema sets are its own."""
+    pytest.importorskip("llguidance", reason="needs llguidance: pip install -e .[serve]")
+    from trtserve.runtime.constraints import compile_grammar
+    from trtserve.server.structured import json_options
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]},
+                                               "big": {"type": "integer", "maximum": 10**18}},
+              "required": ["n"]}
+    bounded = compile_grammar("json_schema", schema)
+    assert _follows(bounded, '{"n": 9007199254740991, "x": -0.125, "big": 100000000000000000}') is True
+    assert _follows(bounded, '{"n": 90071992547409911') is False  # past 2^53 - 1: the digits must stop
+    assert _follows(bounded, '{"n": 1, "x": 0.1234567891') is False  # a tenth decimal
+    assert _follows(bounded, '{"n": 1' + " " * 32 + "}") is True
+    assert _follows(bounded, '{"n": 1' + " " * 33) is False
+    tight = compile_grammar("json_schema", schema, **json_options(ChatCompletionRequest(
+        **CHAT, structured_outputs={"json": schema, "disable_any_whitespace": True})))
+    assert _follows(tight, '{"n":1}') is True and _follows(tight, '{"n": 1}') is False
+    patterned = compile_grammar("json_schema", schema, whitespace=r"\n?")
+    assert _follows(patterned, '{\n"n":\n1}') is True and _follows(patterned, '{"n": 1}') is False
+    closed = compile_grammar("json_schema", {"type": "object", "properties": {"a": {"type": "string"}}}, closed=True)
+    assert _follows(closed, '{"a": "x"}') is True and _follows(closed, '{"b"') is False
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"whitespace_pattern": ""}, "structured_outputs.whitespace_pattern must be a non-empty regex"),
+    ({"disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace must be true or false"),
+    ({"disable_any_whitespace": True, "whitespace_pattern": " ?"}, "not both"),
+])
+def test_structured_output_options_are_checked(options, message):
+    from trtserve.server.structured import json_options
+
+    with pytest.raises(BadRequest, match=message):
+        json_options(ChatCompletionRequest(**CHAT, structured_outputs={"json": {"type": "object"}, **options}))

@@ -69,3 +69,59 @@ def test_templates_without_tools_get_a_system_listing_and_plain_history():
     assert native[1]["tool_calls"][0]["function"]["arguments"] == {"q": "Paris"} and native[2]["tool_call_id"] == "c1"
     with pytest.raises(BadRequest, match="role is 'user'"):
         messages_for(chat(messages=[{"role": "user", "tool_calls": [{}]}]).messages, None, False)
+
+
+# answers in the forms the served families write calls in (Qwen's Hermes tags, Llama 3.1's JSON with
+# "parameters", Mistral's [TOOL_CALLS] in its two tokenizer versions), as decoded with their special tokens
+RECORDED = {
+    "hermes": ('I will look.\n<tool_call>\n{"name": "search", "arguments": {"q": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "I will look."),
+    "llama3_json": ('<|python_tag|>{"name": "search", "parameters": {"q": "Paris"}}; {"name": "now", '
+                    '"parameters": {}}', None),
+    "mistral": ('[TOOL_CALLS][{"name": "search", "arguments": {"q": "Paris"}}, {"name": "now", "arguments": {}}]',
+                None),
+    "json": ('[{"name": "search", "arguments": {"q": "Paris"}}, {"name": "now", "arguments": "{}"}]', None),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(RECORDED))
+def test_each_familys_call_form_is_read_with_several_calls_and_the_text_before_them(parser):
+    from trtserve.server.tools import read_answer
+
+    raw, content = RECORDED[parser]
+    auto = plan(chat(tools=TOOLS), parser)
+    said, calls = read_answer(auto, raw, raw)
+    assert said == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("search", {"q": "Paris"}), ("now", {})]
+    assert len({c["id"] for c in calls}) == 2
+    one = plan(chat(tools=TOOLS, parallel_tool_calls=False), parser)
+    assert [c["function"]["name"] for c in calls_in(one, raw, raw)] == ["search"]  # parallel_tool_calls: false
+    others = [p for p in RECORDED if p != parser and p != "json"]
+    assert all(calls_in(plan(chat(tools=TOOLS), p), "Just text.", "Just text.") is None for p in others)
+
+
+def test_mistral_newer_form_and_what_stays_content():
+    from trtserve.server.tool_parsers import parse
+
+    tools = {"search": {}, "now": {}}
+    assert parse("mistral", 'Sure.[TOOL_CALLS]search[ARGS]{"q": "x"}[TOOL_CALLS]now[ARGS]{}', tools) == (
+        "Sure.", [("search", {"q": "x"}), ("now", {})])
+    assert parse("hermes", '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>', tools) is None
+    assert parse("hermes", '<tool_call>{"name": "search", "arguments": [1]}</tool_call>', tools) is None
+    assert parse("llama3_json", '{"name": "search", "parameters": {"q": 1}} trailing words', tools) is None
+    assert parse("mistral", "[TOOL_CALLS]not json", tools) is None
+
+
+@pytest.mark.parametrize(("template", "parser"), [
+    ("{% for t in tools %}<tools>{{ t | tojson }}</tools>{% endfor %}<tool_call>", "hermes"),
+    ("{{ '[AVAILABLE_TOOLS]' }}{{ tools | tojson }}[/AVAILABLE_TOOLS] ... [TOOL_CALLS]", "mistral"),
+    ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
+     "llama3_json"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "json"),
+])
+def test_auto_reads_the_form_the_chat_template_teaches(template, parser):
+    from trtserve.server.tool_parsers import parser_for
+
+    assert parser_for(template) == parser
+    assert parser_for(template, "hermes") == "hermes"

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from trtserve import __version__
 from trtserve.engine_builder import BACKENDS, PRECISIONS  # one list for build-engine and serve
 from trtserve.errors import TrtServeError
 
@@ -252,7 +253,7 @@ def _serve_parser(sub) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from trtserve.deploy.options import RayOptions, ServeTarget
-    from trtserve.server.config import ServerConfig
+    from trtserve.server.config import ServerConfig, check_tls
     from trtserve.settings import load
 
     models = vars(args).pop("model", None) or []  # positional: a list; TRTSERVE_MODEL: one
@@ -262,6 +263,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise TrtServeError("give an engine directory or a model to serve (or set TRTSERVE_MODEL), or "
                             "--model-repository")
     cfg = load(ServerConfig, args, engine_dir=models[0] if models else target.model_repository)
+    check_tls(cfg)  # before an engine is built at first start
     ray = load(RayOptions, args)
     if ray.ray:  # every replica holds all the engines
         from trtserve.deploy.ray_serve import run
@@ -308,12 +310,21 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
     from trtserve.server.config import ServerConfig
     from trtserve.settings import load, only
 
-    try:
-        url = args.url or f"http://127.0.0.1:{load(only(ServerConfig, 'port')).port}/health"
+    context = None
+    try:  # where the server was started: its TRTSERVE_HOST, TRTSERVE_PORT and TLS variables
+        started = load(only(ServerConfig, "host", "port", "ssl_certfile"))
     except TrtServeError as exc:
         raise TrtServeError(f"{exc}, or give --url") from None
+    host = "127.0.0.1" if started.host in ("0.0.0.0", "") else "::1" if started.host == "::" else started.host
+    host = f"[{host}]" if ":" in host else host
+    url = args.url or f"{'https' if started.ssl_certfile else 'http'}://{host}:{started.port}/health"
+    if url.startswith("https:"):
+        import ssl
+
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # a probe of its own server, by address
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+        with urllib.request.urlopen(url, timeout=args.timeout, context=context) as response:
             print(f"healthy: {url} answered {response.status}")
             return 0
     except urllib.error.HTTPError as exc:
@@ -325,6 +336,7 @@ def _cmd_healthcheck(args: argparse.Namespace) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trtserve", description="Build and serve Transformer inference engines.")
+    parser.add_argument("--version", action="version", version=f"trtserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _build_parser(sub.add_parser("build-engine", help="export a checkpoint and build an engine directory"))
     info = sub.add_parser("info", help="print an engine directory's manifest in human form")
@@ -359,7 +371,8 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--recipe", default="small", choices=["small", "tiny"])
     train.set_defaults(func=_cmd_train_pt)
     health = sub.add_parser("healthcheck", help="exit 0 if a server answers /health (for container health checks)")
-    health.add_argument("--url", default=None, help="default http://127.0.0.1:$TRTSERVE_PORT/health (port 8000)")
+    health.add_argument("--url", default=None, help="default: /health where `serve` listens with the same "
+                        "TRTSERVE_HOST, TRTSERVE_PORT and TRTSERVE_SSL_CERTFILE (http://127.0.0.1:8000/health)")
     health.add_argument("--timeout", type=float, default=5.0)
     health.set_defaults(func=_cmd_healthcheck)
     doctor = sub.add_parser("doctor", help="list every backend, its version, and whether it can build or run here")

@@ -22,6 +22,7 @@ def describe_manifest(engine: EngineDir) -> str:
         f"hidden {arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} KV heads)",
         *_structure(arch),
         *_pooling(m.pooling, model.kind, arch.num_labels),
+        *_sampling(engine, model.kind),
         f"source      {model.source_path} (sha256 {model.source_sha256[:16]}...)",
         f"precision   {m.precision.policy}" + _graph(m.precision.graph or {}) + _search(m.precision.search),
         f"backend     {backend.name} {backend.onnxruntime_version} ({backend.chosen_because or ''})"
@@ -45,6 +46,25 @@ def describe_manifest(engine: EngineDir) -> str:
         f"rebuild     {m.build_command}",
     ]
     return "\n".join(lines)
+
+
+def _sampling(engine: EngineDir, kind: str) -> list[str]:
+    """A decoder's sampling defaults from its generation_config.json, which `serve` applies to what a request
+    leaves out (--generation-config auto)."""
+    from trtserve.errors import EngineDirError
+    from trtserve.runtime.generation_defaults import generation_defaults
+
+    if kind != "decoder":
+        return []
+    try:
+        found = generation_defaults(engine.path)
+    except EngineDirError as exc:
+        return [f"sampling    {exc}"]
+    if not found:
+        return ["sampling    OpenAI's defaults (generation_config.json sets none of temperature, top_p, top_k, min_p, "
+                "repetition_penalty)"]
+    return ["sampling    " + ", ".join(f"{k}={v}" for k, v in found.items()) + " from generation_config.json, for "
+            "what a request leaves out (serve --generation-config none: OpenAI's defaults)"]
 
 
 def _describe_tracks(engine: EngineDir) -> str:

@@ -104,7 +104,8 @@ class ContinuousBatcher:
             if self.constraints is None:
                 raise SamplingError("this batcher cannot constrain decoding to a grammar")
             constraint = self.constraints(params.grammar)
-        self.waiting.append(Sequence(seq_id, list(prompt), params, Sampler(params, self.vocab, constraint)))
+        sampler = Sampler(params, self.vocab, constraint, prompt, self.eos_ids)
+        self.waiting.append(Sequence(seq_id, list(prompt), params, sampler))
 
     def _unwait(self, seq_id: str) -> bool:
         """Take a sequence out of the waiting queue; whether it was there."""

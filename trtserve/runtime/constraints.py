@@ -20,13 +20,15 @@ class GrammarError(ValueError):
     """A grammar that does not compile, with llguidance's message."""
 
 
-def compile_grammar(kind: str, value) -> str:
-    """llguidance's grammar text for a JSON schema (a dict), a regex, a list of strings, or a Lark or GBNF
-    grammar."""
+def compile_grammar(kind: str, value, whitespace: str | None = None, closed: bool = False) -> str:
+    """llguidance's grammar text for a JSON schema (a dict, bounded: see bounded_schema), a regex, a list of
+    strings, or a Lark or GBNF grammar."""
     import llguidance
 
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+    if kind == "json_schema":
+        value = bounded_schema(value, whitespace, closed)
     text = json.dumps(value) if kind in ("json_schema", "choice") else value
     try:
         grammar = llguidance.grammar_from(kind, text)
@@ -37,6 +39,49 @@ def compile_grammar(kind: str, value) -> str:
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"it compiles to {len(grammar)} characters of grammar; the limit is {MAX_GRAMMAR_CHARS}")
     return grammar
+
+
+SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): integers an IEEE double holds exactly
+DECIMALS = 1e-9  # numbers: at most 9 digits after the point (and no exponent), so a number ends
+WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"  # at most 32 whitespace characters between two JSON tokens
+_DATA = ("const", "enum", "default", "examples")  # values, not schemas
+
+
+def bounded_schema(schema, whitespace: str | None = None, closed: bool = False):
+    """`schema` with what it leaves unbounded bounded, so that a constrained answer always ends (an unbounded
+    integer lets a small model write digits forever): integers and numbers without a bound within
+    +-(2^53 - 1), numbers without `multipleOf` at most 9 decimals, and whitespace between tokens at most 32
+    characters (`whitespace`: another pattern; "" for none at all). `closed`: objects without
+    `additionalProperties` take no other properties. Whatever the answer, it validates against `schema`."""
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        return schema
+    schema = _bounded(schema, closed)
+    if "x-guidance" not in schema:
+        schema["x-guidance"] = ({"whitespace_flexible": False} if whitespace == "" else
+                                {"whitespace_pattern": whitespace or WHITESPACE})
+    return schema
+
+
+def _bounded(node, closed: bool):
+    if isinstance(node, list):
+        return [_bounded(item, closed) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: value if key in _DATA else _bounded(value, closed) for key, value in node.items()}
+    kinds = node.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if kinds & {"integer", "number"}:
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = SAFE_INTEGER
+        if "number" in kinds and "multipleOf" not in node:
+            out["multipleOf"] = DECIMALS
+    if closed and "object" in kinds and "additionalProperties" not in node:
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_tokenizer(tokenizer, vocab: int, eos_ids) -> "object":

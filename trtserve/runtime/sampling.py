@@ -1,5 +1,8 @@
-"""Next-token choice on logits, in numpy: greedy, temperature, top-k, top-p, seeded generators,
-presence/frequency penalties (OpenAI's formula), and log-probabilities when asked.
+"""Next-token choice on logits, in numpy, per sequence, in vLLM's order: logit bias (OpenAI's), the end
+tokens held back until `min_tokens`, the repetition penalty (Hugging Face's and vLLM's: over the prompt
+and the generated tokens), presence/frequency penalties (OpenAI's formula: over the generated tokens),
+a grammar's mask, then greedy or temperature with min-p, top-k and top-p; seeded generators, and
+log-probabilities when asked.
 
 A row of logits the model got wrong (NaN, +inf) raises SamplingError: the caller ends that one
 sequence, never its neighbours."""
@@ -30,6 +33,12 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks; vLLM's extension)
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and the top k
     grammar: str | None = None  # llguidance grammar the output must follow (runtime/constraints.py)
+    repetition_penalty: float = 1.0  # > 0; 1: off. A seen token's logit l becomes l / p if l > 0, else l * p
+    min_p: float = 0.0  # tokens less likely than min_p x the likeliest are not sampled; 0: off
+    min_tokens: int = 0  # end tokens (end-of-sequence, stop_token_ids) cannot be chosen before this many
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the sequence like end-of-sequence (not emitted)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits, OpenAI's -100..100
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be chosen (vLLM's); empty: any
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,7 +49,7 @@ def finish_reason(token: int, params: SamplingParams, eos_ids, generated: int, l
     end-of-sequence token (unless `ignore_eos`; the token itself is not emitted), "length" once
     `max_tokens` are generated or the context is full, else None. `generated` and `length` (prompt
     plus generated tokens) count the chosen token."""
-    if token in eos_ids and not params.ignore_eos:
+    if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
         return "stop"
     if generated >= params.max_tokens or length >= max_seq:
         return "length"
@@ -70,11 +79,26 @@ class Sampler:
     """One per sequence: its own random generator (seeded for reproducible output), token counts, and
     the grammar constraint when the sequence has one."""
 
-    def __init__(self, params: SamplingParams, vocab: int, constraint=None):
+    def __init__(self, params: SamplingParams, vocab: int, constraint=None, prompt=(), eos_ids=()):
         self.params, self.vocab, self.constraint = params, vocab, constraint
         # any 64-bit seed, negative ones included (numpy's generators take non-negative seeds only)
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.counts: np.ndarray | None = None  # token counts for the penalties, made on first use
+        self.generated = 0
+        self.seen = None  # the prompt's and the generated tokens, for the repetition penalty
+        if params.repetition_penalty != 1.0:
+            self.seen = np.zeros(vocab, dtype=bool)
+            self.seen[np.asarray(prompt, dtype=np.int64)] = True
+        self.bias = None
+        if params.logit_bias:
+            tokens, values = zip(*params.logit_bias)
+            self.bias = (np.asarray(tokens, dtype=np.int64), np.asarray(values, dtype=np.float32))
+        self.barred = None  # the tokens outside allowed_token_ids
+        if params.allowed_token_ids:
+            self.barred = np.ones(vocab, dtype=bool)
+            self.barred[np.asarray(params.allowed_token_ids, dtype=np.int64)] = False
+        ends = sorted((set(eos_ids) if not params.ignore_eos else set()) | set(params.stop_token_ids))
+        self.ends = np.asarray(ends, dtype=np.int64)  # held back until min_tokens
 
     def choose(self, logits: np.ndarray) -> tuple[int, float | None, list[tuple[int, float]] | None]:
         """(token, its logprob or None, top logprobs or None) from one row of logits."""
@@ -84,6 +108,15 @@ class Sampler:
         if not np.isfinite(top) or np.isnan(logits).any():
             raise SamplingError("the model's logits for this sequence are not finite numbers (NaN or inf); "
                                 "the engine's precision may not suit this input")
+        if self.barred is not None:
+            logits[self.barred] = -np.inf
+        if self.bias is not None:
+            logits[self.bias[0]] += self.bias[1]
+        if self.generated < p.min_tokens and self.ends.size:
+            logits[self.ends] = -np.inf
+        if self.seen is not None:
+            seen = logits[self.seen]
+            logits[self.seen] = np.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
             if self.counts is None:
                 self.counts = np.zeros(self.vocab, dtype=np.int32)
@@ -100,6 +133,9 @@ class Sampler:
             self.constraint.consume(token)
         if self.counts is not None:
             self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
+        self.generated += 1
         if p.logprobs is None:
             return token, None, None
         logp = log_softmax(logits)
@@ -110,9 +146,12 @@ class Sampler:
     def _sample(self, logits: np.ndarray) -> int:
         p = self.params
         order = np.argsort(-logits)
-        if p.top_k:
+        if p.top_k:  # top-k and min-p each keep a prefix of this order: either may go first
             order = order[: p.top_k]
-        probs = np.exp((logits[order] - logits[order[0]]).astype(np.float64))
+        probs = np.exp((logits[order] - logits[order[0]]).astype(np.float64))  # the likeliest's is 1
+        if p.min_p:
+            keep = max(int(np.count_nonzero(probs >= p.min_p)), 1)
+            order, probs = order[:keep], probs[:keep]
         probs /= probs.sum()
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix with mass >= top_p

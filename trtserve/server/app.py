@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, PayloadTooLarge, ServingError, Unauthorized
-from trtserve.server.http import OPEN_PATHS, PROBE_EVERY, Serving, error_response, key_matches
+from trtserve.server.http import OPEN_PATHS, PROBE_EVERY, Serving, error_response, key_matches, route_path
 
 log = logging.getLogger("trtserve.server")
 
@@ -49,6 +49,11 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
         return [r for r in app.routes if hasattr(r, "path")] + [r for router in routers for r in router.routes]
 
     app.add_middleware(Guard, cfg=cfg, metrics=metrics, routes=templates)
+    if cfg.allowed_origins:  # outermost: a browser's preflight is answered before the API key check
+        from starlette.middleware.cors import CORSMiddleware
+
+        origins = [o.strip() for o in cfg.allowed_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(ServingError)
     async def serving_error(request, exc: ServingError):
@@ -65,7 +70,7 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
-        return error_response(ServingError(str(exc.detail), status=exc.status_code), request.url.path)
+        return error_response(ServingError(str(exc.detail), status=exc.status_code), route_path(request.scope))
 
     for router in routers:
         app.include_router(router)
@@ -110,13 +115,13 @@ class Guard:
         try:
             rejected = self._reject(scope)
             if rejected is not None:
-                return await error_response(rejected, scope["path"])(scope, receive, send_status)
+                return await error_response(rejected, route_path(scope))(scope, receive, send_status)
             try:
                 await self.app(scope, self._counting(receive), send_status)
             except _TooLarge:
                 limit = self.cfg.max_body_bytes
                 await error_response(PayloadTooLarge(f"the request body is over the limit of {limit} bytes"),
-                                     scope["path"])(scope, receive, send_status)
+                                     route_path(scope))(scope, receive, send_status)
         finally:
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
             self.metrics.latency.labels(route=route).observe(time.perf_counter() - started)
@@ -132,7 +137,7 @@ class Guard:
 
     def _reject(self, scope) -> ServingError | None:
         headers = dict(scope["headers"])
-        if scope["path"] not in OPEN_PATHS:
+        if route_path(scope) not in OPEN_PATHS:
             if not key_matches(self.cfg, headers.get(b"authorization", b"").decode("latin-1")):
                 return Unauthorized("invalid or missing API key: send `Authorization: Bearer <key>`",
                                     code="invalid_api_key")
@@ -173,10 +178,12 @@ def serve(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None
     return (exit code 0)."""
     import uvicorn
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
-    logging.getLogger("trtserve").addHandler(handler)
-    logging.getLogger("trtserve").setLevel(logging.INFO)
+    handler = logging.StreamHandler()  # trtserve's and uvicorn's lines alike, each with its time
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("trtserve", "uvicorn"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(cfg.log_level.upper())
+    logging.getLogger("uvicorn.access").disabled = cfg.disable_uvicorn_access_log
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -185,5 +192,8 @@ def serve(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
-    Server(uvicorn.Config(build_app(cfg, engines), host=cfg.host, port=cfg.port, log_level="info",
+    Server(uvicorn.Config(build_app(cfg, engines), host=cfg.host, port=cfg.port, log_config=None,
+                          log_level=cfg.log_level, access_log=not cfg.disable_uvicorn_access_log,
+                          root_path=cfg.root_path or "",
+                          ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
                           timeout_graceful_shutdown=cfg.drain_timeout)).run()

@@ -121,9 +121,11 @@ async def complete(service: GenerationService, jobs: list[Job], submission: Subm
     entries: list[list] = [[] for _ in jobs]
     prompts: list[list] = [[] for _ in jobs]  # echo + logprobs: the prompt's tokens come first
     finish: list[str | None] = [None] * len(jobs)
+    ids: list[list[int]] = [[] for _ in jobs]  # each answer's tokens, for a tool parser that reads special ones
     tokens = 0
     async for index, piece in _merged(submission, deadline):
         texts[index] += piece.text
+        ids[index] += piece.tokens
         entries[index] += piece.logprobs
         prompts[index] = piece.prompt_logprobs or prompts[index]
         tokens += len(piece.tokens)
@@ -132,20 +134,20 @@ async def complete(service: GenerationService, jobs: list[Job], submission: Subm
                                                                    len(jobs[i].echo)), chunk=False)
                for i in range(len(jobs))]
     for i, choice in enumerate(choices):
-        calls = _calls(jobs[i], texts[i], finish[i])
-        if calls:  # the answer is a call: no content, OpenAI's finish reason
-            choice.message = AssistantMessage(content=None, tool_calls=calls)
+        found = _calls(service, jobs[i], texts[i], ids[i], finish[i])
+        if found:  # the answer is a call: the text before it (if any) as content, OpenAI's finish reason
+            choice.message = AssistantMessage(content=found[0], tool_calls=found[1])
             choice.finish_reason = "tool_calls"
     return shape.envelope(choices, _usage(jobs, tokens), chunk=False).model_dump()
 
 
-def _calls(job: Job, text: str, finish: str | None) -> list | None:
-    """The tool calls a finished chat answer holds (server/tools.py), or None."""
+def _calls(service, job: Job, text: str, ids: list[int], finish: str | None) -> tuple[str | None, list] | None:
+    """(content, tool calls) of a finished chat answer (server/tools.py), or None."""
     if job.tools is None or finish != "stop":
         return None
-    from trtserve.server.tools import calls_in
+    from trtserve.server.tools import read_answer
 
-    return calls_in(job.tools, text)
+    return read_answer(job.tools, text, service.tokenizer.decode(ids, skip_special_tokens=False))
 
 
 async def stream(service: GenerationService, jobs: list[Job], submission: Submission, chat: bool, model: str,
@@ -155,7 +157,7 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
     shape = _Shape(service, chat, model)
     tokens, started = 0, set()
     offsets = [len(job.echo) for job in jobs]
-    held = {i: ["", []] for i, job in enumerate(jobs) if job.tools is not None}  # tools: text and logprobs
+    held = {i: ["", [], []] for i, job in enumerate(jobs) if job.tools is not None}  # tools: text, logprobs, ids
     try:
         for index, job in enumerate(jobs):  # the first chunk of each choice: the role, or the echoed prompt
             if chat or (job.echo and job.params.prompt_logprobs is None):
@@ -170,6 +172,7 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
             if index in held:  # an answer that may be a tool call is sent once it is whole
                 held[index][0] += piece.text
                 held[index][1] += piece.logprobs
+                held[index][2] += piece.tokens
                 if piece.finish:
                     for event in _held_answer(shape, index, *held[index], piece.finish, jobs[index]):
                         yield event
@@ -194,13 +197,18 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
     yield "data: [DONE]\n\n"
 
 
-def _held_answer(shape: _Shape, index: int, text: str, entries: list, finish: str, job: Job):
-    """The chunks of a whole answer: a tool-call delta then the finish, or the text as content."""
+def _held_answer(shape: _Shape, index: int, text: str, entries: list, ids: list[int], finish: str, job: Job):
+    """The chunks of a whole answer: its content (the text before a call), a tool-call delta and the finish; or
+    the text as content."""
     logprobs = shape.logprobs(entries)
-    calls = _calls(job, text, finish)
-    if not calls:
+    found = _calls(shape.service, job, text, ids, finish)
+    if not found:
         yield _event(shape.envelope([shape.choice(index, text, finish, logprobs, True)], None, True))
         return
+    content, calls = found
+    if content:
+        yield _event(shape.envelope([ChatChunkChoice(index=index, delta=ChatDelta(content=content), logprobs=None,
+                                                     finish_reason=None)], None, True))
     delta = ChatDelta(tool_calls=[ToolCallDelta(index=k, **call) for k, call in enumerate(calls)])
     yield _event(shape.envelope([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None)],
                                 None, True))

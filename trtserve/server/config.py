@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from trtserve.settings import Settings
@@ -27,6 +29,15 @@ class ServerConfig(Settings):
                                   "prefixes reused across requests (automatic prefix caching; engines with a decode "
                                   "graph); 0 turns it off")
     max_n: int = Field(8, ge=1, description="decoders: the largest `n` (choices per request) accepted")
+    tool_call_parser: Literal["auto", "json", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="decoders: the form tool calls are read in under tool_choice auto (auto: from the chat "
+        "template's markers; json is the whole answer as {name, arguments})")
+    chat_template: str | None = Field(None, description="decoders: a chat template (a file's path, or the Jinja "
+                                      "text itself) used instead of the tokenizer's")
+    generation_config: Literal["auto", "none"] = Field("auto", description="decoders: `auto` takes the sampling "
+                                                     "defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
+                                                     "a request leaves out from the engine's generation_config.json, "
+                                                     "as vLLM does; `none` keeps OpenAI's defaults")
     max_wait_ms: float = Field(5.0, ge=0, description="longest wait to fill a batch")
     max_queue: int = Field(256, ge=1, description="encoders: rows waiting at most; decoders: sequences waiting per "
                            "worker; beyond it requests get 429, and a request with more inputs (prompts x n) gets 400")
@@ -48,9 +59,35 @@ class ServerConfig(Settings):
                                           "id)")
     threads: int | None = Field(None, gt=0, description="CPU threads per worker (default: the cores divided among "
                                 "the workers)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="the server's log level (trtserve's and uvicorn's lines, each with a timestamp)")
+    disable_uvicorn_access_log: bool = Field(False, description="leave out uvicorn's line per request")
+    allowed_origins: str | None = Field(None, description="CORS: origins browsers may call from, comma-separated "
+                                        "(* for any); none by default")
+    root_path: str | None = Field(None, description="the path prefix a proxy serves this server under (ASGI "
+                                  "root_path: links and the OpenAPI page carry it)")
+    ssl_keyfile: str | None = Field(None, description="serve HTTPS with this private key (PEM; with --ssl-certfile)")
+    ssl_certfile: str | None = Field(None, description="serve HTTPS with this certificate chain (PEM; with "
+                                     "--ssl-keyfile)")
     tracks: int | None = Field(None, gt=0, description="track-sharded engines: rank processes sharing the tracks, "
                                "all-reducing at segment boundaries, under the one worker that batches their "
                                "sequences (default: one per track)")
+
+
+def check_tls(cfg: ServerConfig) -> None:
+    """HTTPS needs both the key and the certificate, each a readable file."""
+    from pathlib import Path
+
+    from trtserve.errors import TrtServeError
+
+    given = {name: getattr(cfg, name) for name in ("ssl_keyfile", "ssl_certfile") if getattr(cfg, name)}
+    if len(given) == 1:
+        (name, _), = given.items()
+        other = "--ssl-certfile" if name == "ssl_keyfile" else "--ssl-keyfile"
+        raise TrtServeError(f"--{name.replace('_', '-')} needs {other} too: HTTPS takes both")
+    for name, path in given.items():
+        if not Path(path).is_file():
+            raise TrtServeError(f"--{name.replace('_', '-')} {path} is not a readable file")
 
 
 def placement(workers: int | None, threads: int | None = None) -> tuple[int, list[int | None], int | None, str]:

@@ -9,9 +9,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from trtserve.runtime.generation_defaults import RANGES
 from trtserve.runtime.sampling import SamplingParams
 from trtserve.runtime.text import token_ids
-from trtserve.server.chat import ChatRenderer
+from trtserve.server.chat import ChatRenderer, load_chat_template, template_option
+from trtserve.server.tool_parsers import parser_for
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, Overloaded, ServingError, Unavailable
 from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -19,6 +21,7 @@ from trtserve.server.service import Service
 
 log = logging.getLogger("trtserve.server")
 PROBE_TIMEOUT = 30.0
+DEFAULTED = tuple(RANGES)  # the sampling fields generation_config.json may set
 
 
 @dataclass
@@ -66,9 +69,17 @@ class DecoderService(Service):
     vocab: int  # token ids a prompt may use are [0, vocab)
 
     def __init__(self, cfg: ServerConfig, metrics=None, verify: bool = False):
+        from trtserve.runtime.generation_defaults import generation_defaults
+
         super().__init__(cfg, metrics, verify)
-        self.chat = ChatRenderer.for_engine(self.engine.path, self.special)
+        template = template_option(cfg.chat_template)
+        self.chat = ChatRenderer.for_engine(self.engine.path, self.special, template)
+        self.tool_parser = parser_for(template or load_chat_template(self.engine.path), cfg.tool_call_parser)
         self._lltokenizer = None
+        # what requests leave out: the checkpoint's sampling defaults (--generation-config auto)
+        self.defaults = generation_defaults(self.engine.path) if cfg.generation_config == "auto" else {}
+        if self.defaults:
+            log.info("sampling defaults from generation_config.json: %s", self.defaults)
 
     @property
     def lltokenizer(self):
@@ -82,7 +93,7 @@ class DecoderService(Service):
     async def grammar(self, request, tool_spec=None) -> str | None:
         """The grammar a request's structured output (or forced tool call) compiles to, or None (400
         for a bad one)."""
-        from trtserve.server.structured import compile_for, requested
+        from trtserve.server.structured import compile_for, json_options, requested
 
         spec = requested(request)
         if spec is not None and tool_spec is not None:
@@ -93,7 +104,7 @@ class DecoderService(Service):
         if request.ignore_eos:
             raise BadRequest("`ignore_eos` cannot be combined with a structured output: the grammar ends it",
                              param="ignore_eos")
-        return await asyncio.to_thread(compile_for, self, *spec)
+        return await asyncio.to_thread(compile_for, self, *spec, json_options(request))
 
     def submit(self, jobs: list[Job]) -> Submission:
         """Admit every job of a request, or none (429 / 503 before any byte of the answer)."""
@@ -113,7 +124,8 @@ class DecoderService(Service):
         self._check_count(len(prompts) * request.n, request.n, "prompt")  # before any tokenizing
         grammar = await self.grammar(request)
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(await asyncio.to_thread(token_ids, self.tokenizer, texts) if texts else [])
+        special = request.add_special_tokens is not False  # vLLM's default for completions: true
+        encoded = iter(await asyncio.to_thread(token_ids, self.tokenizer, texts, special) if texts else [])
         jobs = []
         for prompt in prompts:
             ids = next(encoded) if isinstance(prompt, str) else list(prompt)
@@ -134,15 +146,22 @@ class DecoderService(Service):
                              "with a prompt you format yourself", param="messages")
         from trtserve.server import tools
 
-        tool_plan = tools.plan(request)
+        tool_plan = tools.plan(request, self.tool_parser)
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         self._check_count(request.n, request.n, "n")
         grammar = await self.grammar(request, tools.grammar_spec(tool_plan))
         messages = tools.messages_for(request.messages, tool_plan, self.chat.takes_tools)
         listed = [{"type": "function", "function": f} for f in tool_plan.tools.values()] if tool_plan else None
-        prompt = await asyncio.to_thread(self.chat.render, messages, True, listed if self.chat.takes_tools else None)
-        ids = (await asyncio.to_thread(token_ids, self.tokenizer, [prompt], False))[0]
+        continued = request.continue_final_message
+        if continued and "add_generation_prompt" in request.model_fields_set and request.add_generation_prompt:
+            raise BadRequest("`continue_final_message` and `add_generation_prompt` cannot both be true",
+                             param="continue_final_message")
+        prompt = await asyncio.to_thread(self.chat.render, messages, request.add_generation_prompt and not continued,
+                                         listed if self.chat.takes_tools else None, continued,
+                                         request.chat_template_kwargs)
+        special = bool(request.add_special_tokens)  # vLLM's default for chat: false (the template has them)
+        ids = (await asyncio.to_thread(token_ids, self.tokenizer, [prompt], special))[0]
         limit = request.max_completion_tokens or request.max_tokens or max(self.max_seq - len(ids), 1)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         jobs = self._fan_out(request, ids, limit, logprobs, "", grammar=grammar)
@@ -175,15 +194,36 @@ class DecoderService(Service):
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stop) > 4:
             raise BadRequest("`stop` takes up to 4 non-empty strings", param="stop")
+        if request.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({request.min_tokens}) is over max_tokens ({max_tokens})", param="min_tokens")
+        sampling = self._sampling(request)
         jobs = []
         for i in range(request.n):
             params = SamplingParams(
-                max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                top_k=max(request.top_k, 0), seed=None if request.seed is None else request.seed + i,
-                presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                logprobs=logprobs, ignore_eos=request.ignore_eos, prompt_logprobs=prompt_logprobs, grammar=grammar)
+                max_tokens=max_tokens, seed=None if request.seed is None else request.seed + i, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, grammar=grammar, **sampling)
             jobs.append(Job(ids, params, stop, echo))
         return jobs
+
+    def _sampling(self, request) -> dict:
+        """The request's sampling fields, checked against this engine's vocabulary; the ones it leaves out that
+        the checkpoint's generation_config.json sets come from there (--generation-config auto)."""
+        chosen = {name: getattr(request, name) for name in DEFAULTED}
+        chosen.update({name: value for name, value in self.defaults.items() if name not in request.model_fields_set})
+        bias = []
+        for key, value in (request.logit_bias or {}).items():
+            if not key.isdecimal() or int(key) >= self.vocab:
+                raise BadRequest(f"logit_bias keys are token ids in [0, {self.vocab}); {key!r} is not one",
+                                 param="logit_bias")
+            bias.append((int(key), value))
+        stops = tuple(request.stop_token_ids or ())
+        allowed = tuple(request.allowed_token_ids or ())
+        for name, ids in (("stop_token_ids", stops), ("allowed_token_ids", allowed)):
+            if any(t >= self.vocab for t in ids):
+                raise BadRequest(f"{name} must be token ids in [0, {self.vocab})", param=name)
+        return {**chosen, "allowed_token_ids": allowed, "top_k": max(chosen["top_k"], 0), "logit_bias": tuple(bias), "stop_token_ids": stops,
+                "min_tokens": request.min_tokens, "presence_penalty": request.presence_penalty,
+                "frequency_penalty": request.frequency_penalty, "ignore_eos": request.ignore_eos}
 
     # -- one sequence ---------------------------------------------------------------------------
     async def pieces(self, job: Job, next_event, where: int):
@@ -210,7 +250,7 @@ class DecoderService(Service):
                 text += decoder.step(self.tokenizer, event["token"]) or ""  # None: half a character so far
             if finish is not None:  # the whole decode once, so the final text is exactly decode(ids)
                 text = self.tokenizer.decode(ids)
-            cut = _first_stop(text, job.stop, len(sent))
+            cut = _first_stop(text, job.stop, len(sent)) if len(ids) >= job.params.min_tokens else None
             if cut is not None:
                 text, finish = text[:cut], "stop"
             done = finish is not None

@@ -51,6 +51,12 @@ def v2_error(exc: ServingError):
     return JSONResponse({"error": exc.message}, status_code=exc.status)
 
 
+def route_path(scope) -> str:
+    """The request's path as the routes see it: without the --root-path prefix that the server adds to it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 def error_response(exc: ServingError, path: str = ""):
     """OpenAI's error shape; the KServe v2 protocol's on its routes."""
     from fastapi.responses import JSONResponse

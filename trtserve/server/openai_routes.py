@@ -75,8 +75,12 @@ async def prometheus(raw: Request):
 
 
 def _generator(registry, request):
-    if request.model_extra:
-        log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
+    from trtserve.server.unserved import UNSERVED, refuse_unserved
+
+    refuse_unserved(request)  # a known field this server does not apply: 400 naming it
+    unknown = sorted(set(request.model_extra or {}) - set(UNSERVED))
+    if unknown:
+        log.info("ignoring unknown request fields: %s", unknown)
     service = registry.get(request.model)
     if getattr(service, "kind", "encoder") != "decoder":
         routes = "/v1/rerank, /rerank and /v1/score" if service.kind == "scorer" else "/v1/embeddings"
@@ -94,10 +98,10 @@ async def _answer(raw, service, jobs, request, chat: bool):
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         # Starlette cancels this generator when the client disconnects; the response closes the sequences
-        return SequenceStream(stream(service, jobs, submission, chat, request.model, include_usage, deadline),
+        return SequenceStream(stream(service, jobs, submission, chat, service.model_id, include_usage, deadline),
                               submission)
     try:
-        return await unless_disconnected(raw, complete(service, jobs, submission, chat, request.model, deadline),
+        return await unless_disconnected(raw, complete(service, jobs, submission, chat, service.model_id, deadline),
                                          state.metrics)
     finally:
         submission.close()

@@ -32,7 +32,7 @@ class _Request(BaseModel):
 
 
 class EmbeddingRequest(_Request):
-    model: Text
+    model: Text | None = None  # left out: the only engine served (vLLM, llama-server)
     input: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, lt=INT64)
@@ -92,7 +92,7 @@ class StreamOptions(BaseModel):
 class _Sampling(_Request):
     """Fields that completions and chat share, with OpenAI's ranges (checked as 400s)."""
 
-    model: Text
+    model: Text | None = None  # left out: the only engine served (vLLM, llama-server)
     max_tokens: int | None = Field(default=None, ge=1, lt=INT64)
     # below 1e-5 a temperature is greedy decoding (as in vLLM): dividing by it would overflow
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -103,6 +103,15 @@ class _Sampling(_Request):
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)  # OpenAI's: a 64-bit integer
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # OpenAI's: token id (a JSON object's keys are strings) -> bias added to its logit; ids checked per engine
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's extensions (runtime/sampling.py has their rules)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0, lt=INT64)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=1024)
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)  # only these may be chosen
+    add_special_tokens: bool | None = None  # tokenizing the prompt: default true for completions, false for chat
     stop: StopText | list[StopText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -149,6 +158,11 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict | None = None  # structured outputs (server/structured.py)
     tools: list | None = None  # server/tools.py
     tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
+    # vLLM's: how the chat template renders the messages (server/chat.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class CompletionUsage(BaseModel):

@@ -8,7 +8,7 @@ import logging
 
 from trtserve.errors import TrtServeError
 from trtserve.server.config import ServerConfig
-from trtserve.server.errors import ModelNotFound
+from trtserve.server.errors import BadRequest, ModelNotFound
 from trtserve.server.protocol import ModelList
 
 log = logging.getLogger("trtserve.server")
@@ -43,8 +43,14 @@ class Registry:
     def names(self) -> str:
         return ", ".join(f"`{name}`" for name in self.services)
 
-    def get(self, name: str):
-        """The service serving `name`; 404 naming the ones this server has."""
+    def get(self, name: str | None):
+        """The service serving `name`; 404 naming the ones this server has. Without a name (`model` left out of
+        a request, as vLLM and llama-server allow), the only engine; 400 listing them when there are several."""
+        if name is None:
+            if len(self.services) == 1:
+                return next(iter(self.services.values()))
+            raise BadRequest(f"give `model`: this server serves {len(self.services)} models ({self.names()})",
+                             param="model")
         service = self.services.get(name)
         if service is None:
             raise ModelNotFound(f"The model `{name}` does not exist; this server serves {self.names()}",

@@ -16,14 +16,7 @@ def _scorer(raw: Request, name: str | None, extra):
     """The cross-encoder named (or the only engine, where the body names none, as TEI's does)."""
     if extra:
         log.info("ignoring unknown request fields: %s", sorted(extra))
-    engines = serving(raw).engines()
-    if name is None:
-        names = list(engines.services)
-        if len(names) != 1:
-            raise BadRequest(f"this server serves {len(names)} models: name one in `model` ({', '.join(names)})",
-                             param="model")
-        name = names[0]
-    service = engines.get(name)
+    service = serving(raw).engines().get(name)
     if service.kind != "scorer":
         raise BadRequest(f"`{service.model_id}` is not a cross-encoder (a *ForSequenceClassification checkpoint): "
                          "it does not score pairs", param="model")

@@ -48,8 +48,9 @@ class Service:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_id, created=self.created)])
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_id:
+    def check_model(self, name: str | None) -> None:
+        """`name` is this engine's (None: left out of the request, which then means this one)."""
+        if name is not None and name != self.model_id:
             raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{self.model_id}`",
                                 param="model", code="model_not_found")
 

@@ -74,12 +74,36 @@ def _checked(kind: str, value, field: str):
     return value
 
 
-def compile_for(service, kind: str, value, field: str) -> str:
-    """The llguidance grammar for this request, checked against the service's tokenizer (blocking)."""
+def json_options(request) -> dict:
+    """vLLM's structured_outputs options for a JSON schema: `disable_any_whitespace` (none between tokens),
+    `whitespace_pattern` (a regex for it), `disable_additional_properties` (objects that do not say take no
+    other properties). `disable_fallback` holds trivially: there is one grammar engine, never another."""
+    extra = getattr(request, "structured_outputs", None) or {}
+    pattern = extra.get("whitespace_pattern")
+    if pattern is not None and (not isinstance(pattern, str) or not pattern):
+        raise BadRequest("structured_outputs.whitespace_pattern must be a non-empty regex",
+                         param="structured_outputs.whitespace_pattern")
+    for flag in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if not isinstance(extra.get(flag, False), bool):
+            raise BadRequest(f"structured_outputs.{flag} must be true or false", param=f"structured_outputs.{flag}")
+    if pattern is not None and extra.get("disable_any_whitespace"):
+        raise BadRequest("give structured_outputs.whitespace_pattern or disable_any_whitespace, not both",
+                         param="structured_outputs.whitespace_pattern")
+    return {"whitespace": "" if extra.get("disable_any_whitespace") else pattern,
+            "closed": bool(extra.get("disable_additional_properties"))}
+
+
+def compile_for(service, kind: str, value, field: str, options: dict | None = None) -> str:
+    """The llguidance grammar for this request, checked against the service's tokenizer (blocking); `options`:
+    json_options' for a JSON schema."""
     from trtserve.runtime.constraints import GrammarError, check_grammar, compile_grammar
 
+    options = options or {}
+    if kind != "json_schema" and (options.get("whitespace") is not None or options.get("closed")):
+        raise BadRequest(f"structured_outputs' whitespace and additional-properties options shape a JSON schema; "
+                         f"{field} is not one", param=field)
     try:
-        grammar = compile_grammar(kind, value)
+        grammar = compile_grammar(kind, value, **options) if kind == "json_schema" else compile_grammar(kind, value)
         check_grammar(grammar, service.lltokenizer)
     except GrammarError as exc:
         raise BadRequest(f"{field} does not compile to a grammar: {exc}", param=field) from None

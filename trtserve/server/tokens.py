@@ -22,15 +22,6 @@ from trtserve.server.protocol import (
 router = APIRouter()
 
 
-def pick(registry, model: str | None):
-    """The engine `model` names; without a name, the only one (vLLM's default is its base model)."""
-    if model:
-        return registry.get(model)
-    if len(registry) == 1:
-        return next(iter(registry.services.values()))
-    raise BadRequest(f"give `model`: this server serves {registry.names()}", param="model")
-
-
 def tokenize(service, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
     if isinstance(request, TokenizeChatRequest):
         text = _rendered(service, request)
@@ -45,18 +36,17 @@ def _rendered(service, request: TokenizeChatRequest) -> str:
     chat = getattr(service, "chat", None)
     if chat is None:
         raise BadRequest(f"`{service.model_id}` has no chat template: tokenize a `prompt` instead", param="messages")
-    for field in ("chat_template", "chat_template_kwargs", "tools"):
+    for field in ("chat_template", "tools"):
         if getattr(request, field):
-            raise BadRequest(f"`{field}` is not accepted: the model's own chat template renders the messages",
-                             param=field)
-    if request.continue_final_message and "add_generation_prompt" in request.model_fields_set \
-            and request.add_generation_prompt:
+            raise BadRequest(f"`{field}` is not accepted here: the server's chat template renders the messages "
+                             "(--chat-template sets it), and /tokenize renders no tools", param=field)
+    continued = request.continue_final_message
+    if continued and "add_generation_prompt" in request.model_fields_set and request.add_generation_prompt:
         raise BadRequest("`continue_final_message` and `add_generation_prompt` cannot both be true",
                          param="continue_final_message")
-    if request.continue_final_message:
-        raise BadRequest("`continue_final_message` is not served yet", param="continue_final_message")
     messages = [{"role": m.role, "content": content_text(m.content)} for m in request.messages]
-    return chat.render(messages, add_generation_prompt=request.add_generation_prompt)
+    return chat.render(messages, request.add_generation_prompt and not continued, None, continued,
+                       request.chat_template_kwargs)
 
 
 def detokenize(service, request: DetokenizeRequest) -> DetokenizeResponse:
@@ -69,10 +59,10 @@ def detokenize(service, request: DetokenizeRequest) -> DetokenizeResponse:
 
 @router.post("/tokenize")
 async def tokenize_route(request: TokenizeCompletionRequest | TokenizeChatRequest, raw: Request) -> TokenizeResponse:
-    service = pick(serving(raw).engines(), request.model)
+    service = serving(raw).engines().get(request.model)
     return await asyncio.to_thread(tokenize, service, request)  # a 2 MB prompt must not stall the loop
 
 
 @router.post("/detokenize")
 async def detokenize_route(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
-    return await asyncio.to_thread(detokenize, pick(serving(raw).engines(), request.model), request)
+    return await asyncio.to_thread(detokenize, serving(raw).engines().get(request.model), request)

@@ -5,8 +5,10 @@
   a system message lists them and asks for `{"name": ..., "arguments": {...}}` as the whole answer.
 - `required` and a named function constrain decoding (server/structured.py, runtime/constraints.py):
   the answer is a call (any tool's, or the named one's arguments) by construction.
-- `auto` leaves the model free: an answer that is exactly such a JSON object naming a tool is a
-  call, anything else is content (the generic JSON form; no model-specific parser).
+- `auto` leaves the model free: an answer in the form its family writes calls in
+  (server/tool_parsers.py: plain JSON, Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`; chosen
+  from the chat template or --tool-call-parser) naming the request's tools is a call, with any text
+  before it as content; anything else is content. `parallel_tool_calls: false` keeps the first call.
 - History: assistant messages with `tool_calls` and `role: "tool"` results are accepted and, for
   templates without tool support, rendered as the JSON call and a user turn with the result."""
 
@@ -30,10 +32,20 @@ class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     tools: dict  # name -> the function's definition (name, description, parameters)
     named: str | None = None
+    parser: str = "json"  # how an `auto` answer's calls are read (server/tool_parsers.py)
+    parallel: bool = True  # several calls in one answer (parallel_tool_calls); False keeps the first
 
 
-def plan(request) -> ToolPlan | None:
-    """The request's tool plan, or None when no tools take part (400 naming the field for bad ones)."""
+def plan(request, parser: str = "json") -> ToolPlan | None:
+    """The request's tool plan, or None when no tools take part (400 naming the field for bad ones); `parser`:
+    the form `auto` answers are read in."""
+    found = _plan(request)
+    if found is None:
+        return None
+    return ToolPlan(found.mode, found.tools, found.named, parser, request.parallel_tool_calls is not False)
+
+
+def _plan(request) -> ToolPlan | None:
     tools, choice = request.tools, request.tool_choice
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -130,20 +142,37 @@ def _history_call(call, where: str) -> dict:
     return {"name": function["name"], "arguments": arguments}
 
 
-def calls_in(tool_plan: ToolPlan, text: str) -> list[dict] | None:
-    """OpenAI tool_calls from a generated answer, or None when it is not a call (content)."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    if tool_plan.mode == "named":
-        name, arguments = tool_plan.named, value
-    elif isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] in tool_plan.tools \
-            and isinstance(value.get("arguments"), dict):
-        name, arguments = value["name"], value["arguments"]
-    else:
-        return None
-    if not isinstance(arguments, dict):
-        return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]
+def calls_in(tool_plan: ToolPlan, text: str, raw: str | None = None) -> list[dict] | None:
+    """OpenAI tool_calls of a generated answer, or None when it is not a call (see read_answer)."""
+    found = read_answer(tool_plan, text, raw)
+    return None if found is None else found[1]
+
+
+def read_answer(tool_plan: ToolPlan, text: str, raw: str | None = None) -> tuple[str | None, list[dict]] | None:
+    """(content, OpenAI tool_calls) of a generated answer, or None when it is not a call (content). `raw`: the
+    answer decoded with its special tokens (Mistral's `[TOOL_CALLS]` is one), for the `auto` parsers."""
+    from trtserve.server.tool_parsers import parse
+
+    if tool_plan.mode == "auto":
+        found = parse(tool_plan.parser, raw if raw is not None else text, tool_plan.tools)
+        if found is None:
+            return None
+        content, calls = found
+    else:  # grammar-constrained JSON: the named function's arguments, or one {"name", "arguments"} object
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if tool_plan.mode == "named":
+            content, calls = None, [(tool_plan.named, value)]
+        elif isinstance(value, dict) and value.get("name") in tool_plan.tools:
+            content, calls = None, [(value["name"], value.get("arguments"))]
+        else:
+            return None
+        if not isinstance(calls[0][1], dict):
+            return None
+    if not tool_plan.parallel:
+        calls = calls[:1]
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+                     for name, arguments in calls]
