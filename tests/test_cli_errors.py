@@ -140,3 +140,26 @@ def test_unexpected_exception_is_one_line_not_a_traceback(capsys, monkeypatch):
     monkeypatch.setenv("TRTSERVE_DEBUG", "1")
     with pytest.raises(ValueError):
         _run(_parser_running(broken), [])
+
+
+@pytest.mark.parametrize(("module", "extra"), [("torch", "export"), ("fastapi", "serve"), ("ray.serve", "ray")])
+def test_a_command_whose_extra_is_missing_names_the_extra_to_install(module, extra, capsys):
+    import argparse
+
+    from trtserve.cli import _run
+
+    def needs(args):
+        raise ModuleNotFoundError(f"No module named '{module}'", name=module)
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=needs, command="build-engine")
+    assert _run(parser, []) == 2
+    assert f"`trtserve build-engine` needs {module}, which is not installed: pip install 'trtserve[{extra}]'" in \
+        capsys.readouterr().err
+
+
+def test_version():
+    from trtserve import __version__
+
+    result = run_cli("--version", timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"trtserve {__version__}"

@@ -64,9 +64,9 @@ def test_one_variable_is_read_without_the_others(monkeypatch):
     assert load(only(ServerConfig, "port")).port == 8123
 
 
-def test_the_readme_states_the_defaults_the_fields_have():
+def test_the_docs_state_the_defaults_the_fields_have():
     fields = {**ServerConfig.model_fields, **ServeTarget.model_fields, **RayOptions.model_fields}
-    readme = ROOT.joinpath("README.md").read_text()
+    readme = " ".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     found = re.findall(r"`--([a-z-]+)`[^`()]{0,80}\(default ([0-9][0-9,.]*)", " ".join(readme.split()))
     assert len(found) >= 3, found
     for name, value in found:

@@ -388,6 +388,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the extra (pyproject.toml) that installs each optional module a command may need
+EXTRAS = {"torch": "export", "transformers": "export", "safetensors": "export", "onnxscript": "export",
+          "gguf": "export", "accelerate": "export", "fastapi": "serve", "uvicorn": "serve",
+          "prometheus_client": "serve", "jinja2": "serve", "llguidance": "serve", "ray": "ray",
+          "matplotlib": "eval", "tensorrt_rtx": "tensorrt-rtx"}
+
+
 def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
@@ -398,6 +405,13 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:  # an optional dependency this command needs is not installed
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None or _caused_by_interrupt(exc):
+            raise
+        print(f"error: `trtserve {args.command}` needs {exc.name}, which is not installed: "
+              f"pip install 'trtserve[{extra}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # the reader of stdout went away (`trtserve info DIR | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the flush at exit is quiet
         return 0
