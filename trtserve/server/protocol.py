@@ -246,28 +246,34 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None
 
 
-class _Answer(BaseModel):
-    id: str
-    created: int
-    model: str
-    usage: CompletionUsage | None  # a whole answer's; a chunk's is null but on the last (include_usage)
-
-
-class CompletionResponse(_Answer):
+# fields in OpenAI's order; `usage`: a whole answer's, and on a chunk null but on the last (include_usage)
+class CompletionResponse(BaseModel):
     """A whole completion, or one chunk of a streamed one (the same object)."""
 
+    id: str
     object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
     choices: list[CompletionChoice]
+    usage: CompletionUsage | None
 
 
-class ChatCompletionResponse(_Answer):
+class ChatCompletionResponse(BaseModel):
+    id: str
     object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
     choices: list[ChatChoice]
+    usage: CompletionUsage | None
 
 
-class ChatCompletionChunk(_Answer):
+class ChatCompletionChunk(BaseModel):
+    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
     choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None
 
 
 class TokenizeCompletionRequest(_Request):
