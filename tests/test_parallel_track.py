@@ -334,6 +334,12 @@ def test_the_slot_batcher_drives_track_ranks_like_any_backend(trained, track_eng
             assert got[str(i)] == greedy_reference(m, tok, prompt, 8 + i), i
         assert batcher.prefix_cache.hits == 16
         assert max(shared) == 2  # the two 20-token prompts decode in one call
+        again = make_batcher(backend, set(), max_num_seqs=3)  # a fresh batcher on the same ranks: no stale rows
+        again.add("x", prompts[2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        tokens = []
+        while again.has_work():
+            tokens += [e.token for e in again.step()]
+        assert tokens == greedy_reference(m, tok, prompts[2], 8)
     finally:
         backend.close()
 

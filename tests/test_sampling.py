@@ -274,3 +274,17 @@ def test_chat_template_failures_are_400s_naming_the_field():
     sneaky = ChatRenderer("{% set ns = namespace() %}{% set ns._x = 1 %}{{ ns }}")
     with pytest.raises(BadRequest, match="cannot set '_x'"):
         sneaky.render(MESSAGES)
+
+
+def test_a_request_that_rules_out_every_token_is_the_callers_400_and_long_inline_templates_load():
+    from trtserve.runtime.sampling import RULED_OUT, SamplingError
+    from trtserve.server.chat import template_option
+    from trtserve.server.generation import _event_error
+
+    held = Sampler(SamplingParams(allowed_token_ids=(2,), min_tokens=2), 4, eos_ids={2})
+    with pytest.raises(SamplingError, match="no token is left to choose"):
+        held.choose(LOGITS)
+    error = _event_error(f"SamplingError: {RULED_OUT}", 0)
+    assert isinstance(error, BadRequest) and error.status == 400
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}" * 20  # longer than a file name may be
+    assert template_option(inline) == inline

@@ -113,3 +113,13 @@ def test_structured_output_options_are_checked(options, message):
 
     with pytest.raises(BadRequest, match=message):
         json_options(ChatCompletionRequest(**CHAT, structured_outputs={"json": {"type": "object"}, **options}))
+
+
+def test_a_property_named_type_is_a_property_not_a_type():
+    pytest.importorskip("llguidance", reason="needs llguidance: pip install -e .[serve]")
+    from trtserve.runtime.constraints import compile_grammar
+
+    schema = {"type": "object", "properties": {"type": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["type", "n"]}
+    grammar = compile_grammar("json_schema", schema)
+    assert _follows(grammar, '{"type": "a", "n": 3}') is True and _follows(grammar, '{"type": 3') is False

@@ -405,13 +405,6 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
-    except ModuleNotFoundError as exc:  # an optional dependency this command needs is not installed
-        extra = EXTRAS.get((exc.name or "").split(".")[0])
-        if extra is None or _caused_by_interrupt(exc):
-            raise
-        print(f"error: `trtserve {args.command}` needs {exc.name}, which is not installed: "
-              f"pip install 'trtserve[{extra}]'", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # the reader of stdout went away (`trtserve info DIR | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the flush at exit is quiet
         return 0
@@ -420,6 +413,11 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         if _caused_by_interrupt(exc):
             print("interrupted: nothing was written", file=sys.stderr)
             return 130
+        extra = EXTRAS.get((exc.name or "").split(".")[0]) if isinstance(exc, ModuleNotFoundError) else None
+        if extra is not None:  # an optional dependency this command needs is not installed
+            print(f"error: `trtserve {args.command}` needs {exc.name}, which is not installed: "
+                  f"pip install 'trtserve[{extra}]'", file=sys.stderr)
+            return 2
         if os.environ.get("TRTSERVE_DEBUG"):
             raise
         print(f"error: unexpected {type(exc).__name__}: {exc}\n"

@@ -70,8 +70,10 @@ def _bounded(node, closed: bool):
     if not isinstance(node, dict):
         return node
     out = {key: value if key in _DATA else _bounded(value, closed) for key, value in node.items()}
-    kinds = node.get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    kinds = node.get("type")  # a schema's type: a name or a list of names (in a `properties` map, "type" can
+    # be a property whose value is a schema: not a type)
+    kinds = {kinds} if isinstance(kinds, str) else {k for k in kinds if isinstance(k, str)} \
+        if isinstance(kinds, list) else set()
     if kinds & {"integer", "number"}:
         if "minimum" not in node and "exclusiveMinimum" not in node:
             out["minimum"] = -SAFE_INTEGER

@@ -17,7 +17,12 @@ GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (vLLM's rule)
 
 
 class SamplingError(ValueError):
-    """This sequence cannot go on (its logits are not numbers)."""
+    """This sequence cannot go on (its logits are not numbers, or the request rules out every token)."""
+
+
+# the request's own fields leave no token to choose: the caller's error, not the server's
+RULED_OUT = ("no token is left to choose: the request's allowed_token_ids, min_tokens, logit_bias or grammar "
+             "rule out every token the model has here")
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,8 @@ class Sampler:
             logits -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
         if self.constraint is not None:
             self.constraint.apply(logits)  # tokens outside the grammar: -inf
-            if not np.isfinite(np.max(logits)):  # a track engine's compact vocabulary may lack every one
-                raise SamplingError("no token the grammar allows next is in the model's vocabulary")
+        if not np.isfinite(np.max(logits)):
+            raise SamplingError(RULED_OUT)
         if p.temperature < GREEDY_BELOW or p.top_k == 1:
             token = int(np.argmax(logits))
         else:

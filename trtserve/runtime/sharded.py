@@ -105,6 +105,8 @@ class _EngineShard:
             return self.engines.read(*payload)
         if op == "write":
             return self.engines.write(*payload)
+        if op == "reset":  # a new set of slots: the caches of the one before are gone
+            return self.engines.caches.clear()
         raise ValueError(f"unknown operation {op!r}")
 
 

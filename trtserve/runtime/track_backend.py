@@ -13,7 +13,9 @@ with BackendLost; the ranks are started afresh for the next batcher."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 
 import numpy as np
 
@@ -48,6 +50,8 @@ class TrackBackend:
         self.names = [f"{t}:{name.removeprefix('past_')}" for t, graphs in enumerate(pt.segment_graphs)
                       for graph in graphs for name in pt.graphs[graph].inputs[1:]]
         self.decoder = None
+        self.keys = itertools.count()  # cache keys, never reused while the ranks live
+        self._starting = threading.Lock()  # one start of the ranks at a time (an in-process loop and its successor)
 
     @property
     def processes(self) -> list[int]:
@@ -57,16 +61,20 @@ class TrackBackend:
         """The running ranks: started on first use, and afresh when one of them has gone."""
         from trtserve.runtime.sharded import EngineShards, ShardedDecoder
 
-        if self.decoder is not None and all(p.is_alive() for p in self.decoder.procs):
+        with self._starting:
+            if self.decoder is not None and all(p.is_alive() for p in self.decoder.procs):
+                return self.decoder
+            if self.decoder is not None:
+                self.decoder.kill()
+            self.decoder = None
+            self.decoder = ShardedDecoder(EngineShards(str(self.engine.path)), self.world, **self.options)
             return self.decoder
-        if self.decoder is not None:
-            self.decoder.kill()
-        self.decoder = None
-        self.decoder = ShardedDecoder(EngineShards(str(self.engine.path)), self.world, **self.options)
-        return self.decoder
 
     def kv_slots(self, slots: int) -> TrackSlots:
-        return TrackSlots(self, self.ranks(), slots)
+        """Slots for a new batcher: the ranks' caches of any batcher before are dropped."""
+        slots = TrackSlots(self, self.ranks(), slots)
+        slots._call("reset", None)
+        return slots
 
     def infer(self, feeds):
         raise InputError("a track-sharded engine runs sequences through its slots (kv_slots), not whole batches")
@@ -85,8 +93,7 @@ class TrackSlots:
         self.capacity = backend.engine.manifest.model.architecture.max_positions
         self.vocab, self.names = backend.vocab, backend.names
         self.length = np.zeros(slots, np.int64)
-        self.keys = list(range(slots))  # slot -> the key of its cache in the ranks
-        self._next_key = slots
+        self.keys = [next(backend.keys) for _ in range(slots)]  # slot -> the key of its cache in the ranks
         self._drops: list[int] = []  # caches to drop with the next call
 
     def _call(self, op: str, payload) -> list:
@@ -121,7 +128,7 @@ class TrackSlots:
         """Give `slot` a new, empty cache; its old one is dropped with the next call."""
         if self.length[slot]:
             self._drops.append(self.keys[slot])
-        self.keys[slot], self._next_key = self._next_key, self._next_key + 1
+        self.keys[slot] = next(self.backend.keys)
         self.length[slot] = 0
 
     def clear(self, slot: int) -> None:
@@ -133,7 +140,7 @@ class TrackSlots:
         self._free(target)
         self.keys[target], self.length[target] = self.keys[source], self.length[source]
         self.length[source] = 0  # its key now belongs to `target`: not dropped
-        self.keys[source], self._next_key = self._next_key, self._next_key + 1
+        self.keys[source] = next(self.backend.keys)
 
     def swap(self, a: int, b: int) -> None:
         self.keys[a], self.keys[b] = self.keys[b], self.keys[a]

@@ -34,9 +34,12 @@ def template_option(value: str | None) -> str | None:
     """--chat-template: a file's path (read here), or the template itself."""
     if not value:
         return None
-    path = Path(value)
     try:
-        return path.read_text(encoding="utf-8") if path.is_file() else value
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # a template's text is no path (too long a name, a NUL)
+        is_file = False
+    try:
+        return Path(value).read_text(encoding="utf-8") if is_file else value
     except (OSError, UnicodeDecodeError) as exc:
         from trtserve.errors import TrtServeError
 

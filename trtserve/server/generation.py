@@ -375,6 +375,10 @@ def _safe_end(text: str, stops: list[str]) -> int:
 
 
 def _event_error(error: str, worker: int) -> ServingError:
+    from trtserve.runtime.sampling import RULED_OUT
+
+    if error.endswith(RULED_OUT):
+        return BadRequest(RULED_OUT)
     if error == "worker_died":
         return Unavailable(f"worker {worker} stopped while generating this sequence; retry the request")
     if error == "worker_hung":

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -108,8 +110,9 @@ def messages_for(messages, tool_plan: ToolPlan | None, template_takes_tools: boo
         parsed = [_history_call(call, f"messages.{i}.tool_calls.{j}") for j, call in enumerate(calls)]
         if template_takes_tools:
             entry = {"role": m.role, "content": content}
-            if parsed:
-                entry["tool_calls"] = [{"type": "function", "function": c} for c in parsed]
+            if parsed:  # with their ids: some templates check them (Mistral's: 9 characters)
+                entry["tool_calls"] = [{"type": "function", "function": c, **({"id": call["id"]} if
+                                        isinstance(call.get("id"), str) else {})} for c, call in zip(parsed, calls)]
             if m.tool_call_id:
                 entry["tool_call_id"] = m.tool_call_id
             out.append(entry)
@@ -173,6 +176,14 @@ def read_answer(tool_plan: ToolPlan, text: str, raw: str | None = None) -> tuple
             return None
     if not tool_plan.parallel:
         calls = calls[:1]
-    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return content, [{"id": _call_id(tool_plan.parser), "type": "function",
                       "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
                      for name, arguments in calls]
+
+
+def _call_id(parser: str) -> str:
+    """A new call's id: `call_` and 24 hex digits (OpenAI's form), or 9 letters and digits where the family's
+    template checks for that (Mistral's)."""
+    if parser == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"

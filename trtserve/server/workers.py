@@ -80,6 +80,16 @@ def _load(engine_dir: str, threads: int | None, ranks: dict | None = None):
     return TextEngine(load_backend(engine_dir, "auto", ranks=ranks, threads=threads))
 
 
+def _started(pid: int) -> str | None:
+    """A process's start time (Linux: /proc/PID/stat, field 22), which a later process with the same pid does
+    not share; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _processes(backend) -> list[int]:
     """The pids of a backend's own helper processes (a track engine's ranks), which die with its worker."""
     return list(backend.processes) if backend.abilities.processes else []
@@ -162,12 +172,19 @@ class Worker:
         return self.ready and self.channel is not None and self.channel.stalled(self.deadline)
 
     def kill_processes(self) -> None:
-        """SIGKILL the backend's processes (a dead worker's may be left behind, a hung one's too)."""
-        for pid in self._backend_pids():
+        """SIGKILL the backend's processes (a dead worker's may be left behind, a hung one's too), each only while
+        it is still the process that was reported (its pid may be another's once it has exited)."""
+        for pid, started in self._backend_processes():
+            if started is not None and _started(pid) != started:
+                continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def _backend_processes(self) -> list[tuple[int, str | None]]:
+        """(pid, start time or None) of each backend process."""
+        return [(pid, None) for pid in self._backend_pids()]
 
     def status(self) -> list[dict]:
         """What /health shows: the worker, or each process of its backend (a track engine's ranks)."""
@@ -185,6 +202,7 @@ class ProcessWorker(Worker):
         self.proc = None
         self.heartbeat = None  # the process's last beat (shared memory, time.monotonic())
         self.processes: list[int] = []  # its backend's processes, as it reported them when it was ready
+        self.started: dict[int, str | None] = {}  # their start times then (Linux), to tell a reused pid
 
     @property
     def pid(self) -> int | None:
@@ -221,6 +239,7 @@ class ProcessWorker(Worker):
             raise RuntimeError(f"worker {self.index} could not load the engine: {info}")
         self.proc, self.conn, self.heartbeat = proc, parent, heartbeat
         self.processes = info[1]
+        self.started = {pid: _started(pid) for pid in self.processes}
         if self.generation is not None:
             self._open_channel()
         self.ready = True
@@ -291,6 +310,9 @@ class ProcessWorker(Worker):
 
     def _backend_pids(self) -> list[int]:
         return self.processes
+
+    def _backend_processes(self) -> list[tuple[int, str | None]]:
+        return [(pid, self.started.get(pid)) for pid in self.processes]
 
 
 class InProcessWorker(Worker):
