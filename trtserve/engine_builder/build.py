@@ -137,6 +137,8 @@ class _Draft:
     grid: list | None
     manifest: dict = field(default_factory=dict)
     fp32_graph: Path | None = None  # the export step's graph (in the export cache)
+    backend_entry: dict = field(default_factory=dict)  # the precision step's backend section, the decode step adds to
+    report: dict = field(default_factory=dict)  # the precision step's measurement, the gate judges
 
     def engine(self) -> engine_dir.EngineDir:
         return engine_dir.EngineDir(self.tmp, self.manifest)
@@ -202,9 +204,10 @@ def _precision_step(d: _Draft) -> dict:
 
     report = write_precision(d.cfg.precision, Gate(d.fp32_graph, onnx_path, d.source, harness, target, lower, engine))
     chosen = engine_dir.as_manifest(d.manifest)  # the sections of the try write_precision kept
-    backend_entry = dict(chosen.backend.model_dump(exclude_unset=True), weights=map_weights(d.tmp / OPTIMIZED),
-                         resident_mb=resident_mb(d.tmp / OPTIMIZED))  # of the chosen graph only
-    return {"backend": backend_entry, "fidelity": report}
+    d.backend_entry = dict(chosen.backend.model_dump(exclude_unset=True), weights=map_weights(d.tmp / OPTIMIZED),
+                           resident_mb=resident_mb(d.tmp / OPTIMIZED))  # of the chosen graph only
+    d.report = report
+    return {"backend": d.backend_entry, "fidelity": report}
 
 
 def _decode_graph_step(d: _Draft) -> dict:
@@ -222,7 +225,7 @@ def _decode_graph_step(d: _Draft) -> dict:
         kv = kv.model_copy(update={"weights": share_weights(d.tmp / OPTIMIZED, d.tmp / kv.file)})  # one copy of both
     else:
         say(f"no decode graph: {kv.why_not}; decoding copies the cache per step")
-    return {"backend": dict(d.manifest["backend"], kv_graph=kv.model_dump(exclude_unset=True))}
+    return {"backend": dict(d.backend_entry, kv_graph=kv.model_dump(exclude_unset=True))}
 
 
 def _tensorrt_step(d: _Draft) -> dict:
@@ -239,7 +242,7 @@ def _tensorrt_step(d: _Draft) -> dict:
 
 def _gate_step(d: _Draft) -> dict:
     """Nothing is written when the kept try misses the fidelity target, unless --allow-low-fidelity."""
-    report = d.manifest["fidelity"]
+    report = d.report
     if not report["passed"] and not d.cfg.allow_low_fidelity:
         first = "; ".join(report["failures"][:3])
         wider = " or ".join(p for p in ("hybrid", "fp32") if p != d.cfg.precision)
