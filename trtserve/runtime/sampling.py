@@ -102,8 +102,10 @@ class Sampler:
         if params.allowed_token_ids:
             self.barred = np.ones(vocab, dtype=bool)
             self.barred[np.asarray(params.allowed_token_ids, dtype=np.int64)] = False
-        ends = sorted((set(eos_ids) if not params.ignore_eos else set()) | set(params.stop_token_ids))
-        self.ends = np.asarray(ends, dtype=np.int64)  # held back until min_tokens
+        ends = set()  # held back until min_tokens: end-of-sequence (unless ignored) and stop_token_ids
+        if params.min_tokens:
+            ends = (set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids)
+        self.ends = np.asarray(sorted(ends), dtype=np.int64)
 
     def choose(self, logits: np.ndarray) -> tuple[int, float | None, list[tuple[int, float]] | None]:
         """(token, its logprob or None, top logprobs or None) from one row of logits."""

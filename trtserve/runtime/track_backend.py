@@ -124,20 +124,17 @@ class TrackSlots:
         self.length[first:first + rows] = after
         return out
 
-    def _free(self, slot: int) -> None:
+    def clear(self, slot: int) -> None:
         """Give `slot` a new, empty cache; its old one is dropped with the next call."""
         if self.length[slot]:
             self._drops.append(self.keys[slot])
         self.keys[slot] = next(self.backend.keys)
         self.length[slot] = 0
 
-    def clear(self, slot: int) -> None:
-        self._free(slot)
-
     def move(self, source: int, target: int) -> None:
         if source == target:
             return
-        self._free(target)
+        self.clear(target)
         self.keys[target], self.length[target] = self.keys[source], self.length[source]
         self.length[source] = 0  # its key now belongs to `target`: not dropped
         self.keys[source] = next(self.backend.keys)
@@ -158,6 +155,6 @@ class TrackSlots:
         n = next(iter(rows.values())).shape[1]
         if n > self.capacity:
             raise InputError(f"{n} rows do not fit the context of {self.capacity}")
-        self._free(slot)
+        self.clear(slot)
         self._call("write", (self.keys[slot], rows))
         self.length[slot] = n

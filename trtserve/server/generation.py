@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from trtserve.runtime.generation_defaults import RANGES
+from trtserve.runtime.generation_defaults import RANGES, generation_defaults
 from trtserve.runtime.sampling import SamplingParams
 from trtserve.runtime.text import token_ids
 from trtserve.server.chat import ChatRenderer, load_chat_template, template_option
@@ -69,8 +69,6 @@ class DecoderService(Service):
     vocab: int  # token ids a prompt may use are [0, vocab)
 
     def __init__(self, cfg: ServerConfig, metrics=None, verify: bool = False):
-        from trtserve.runtime.generation_defaults import generation_defaults
-
         super().__init__(cfg, metrics, verify)
         template = template_option(cfg.chat_template)
         self.chat = ChatRenderer.for_engine(self.engine.path, self.special, template)
