@@ -161,6 +161,31 @@ def test_onnx_runtime_lowerings_in_the_optimized_graph_only(tiny, tmp_path):
                    for a in n.attribute)
 
 
+def test_residual_rows_are_an_optimized_graph_lowering_closer_to_fp32_than_int8(tiny, tmp_path):
+    """The plans' residual form: the GEMMs outside the int8 set run on the int8 kernel with their rounding
+    residual; only the optimized graph holds it, and what it computes is far closer to the fp32 graph's."""
+    from trtserve.engine_builder.activation_residual import residual_gemms
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort
+
+    path, fp32 = tiny
+    model, _ = apply_gguf(onnx.ModelProto.FromString(fp32.SerializeToString()), path)
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    ids = np.random.default_rng(4).integers(0, VOCAB, (2, 6))
+    exact = _run(model, ids, "none")[1]  # `side`: after up, gate and down, not the LM head
+    side = {}
+    for label, int8, residual in (("int8", frozenset("*"), frozenset()), ("residual", frozenset({"lm_head"}),
+                                                                          frozenset("*"))):
+        out = tmp_path / label
+        out.mkdir()
+        entry = build_ort(tmp_path / "model.onnx", out, int8, residual)
+        lowered = onnx.load(str(out / OPTIMIZED))
+        side[label] = _run(lowered, ids, "none")[1]
+    assert entry["matmulnbits_accuracy_levels"] == {"4": 1, "4+residual": 2}
+    assert residual_gemms(lowered) == {"up_proj", "down_proj"}  # the fused gate/up GEMM keeps the up name
+    assert plans(fp32)[1].fast == frozenset("*") and not plans(fp32)[1].fp32_weights
+    error = {k: np.abs(v - exact).max() for k, v in side.items()}
+    assert error["residual"] < error["int8"] / 30, error
+
 def test_tensorrt_rtx_parses_the_carried_graph(tiny, tmp_path):
     trt = pytest.importorskip("tensorrt_rtx", reason="pip install tensorrt-rtx-cu13 (parses ONNX without a GPU)")
     path, fp32 = tiny

@@ -39,7 +39,7 @@ def test_every_field_is_a_flag_with_its_help_and_default():
     for name, field in ServerConfig.model_fields.items():
         if name != "engine_dir":
             assert "--" + name.replace("_", "-") in text and field.description
-    assert "(default 16)" in " ".join(text.split())  # --max-num-seqs
+    assert "engine's --max-batch) (default 32)" in " ".join(text.split())  # --max-num-seqs
 
 
 @pytest.mark.parametrize("argv, env, message", [

@@ -193,8 +193,8 @@ def _precision_step(d: _Draft) -> dict:
     harness = Harness(d.engine(), d.source, target, d.cfg.calibration)
     harness.grid_shapes = d.grid or []
 
-    def lower(graph: Path, int8_activations) -> dict:  # the portable graph -> ONNX Runtime's optimized graph
-        return dict(build_ort(graph, d.tmp, int8_activations), chosen_because=d.why)
+    def lower(graph: Path, int8_activations, residual=frozenset()) -> dict:  # portable -> ONNX Runtime's graph
+        return dict(build_ort(graph, d.tmp, int8_activations, residual), chosen_because=d.why)
 
     def engine(precision: dict, backend_entry: dict, digest: str) -> engine_dir.EngineDir:
         d.manifest.update(onnx={"file": ONNX_FILE, "sha256": digest, "opset": _opset(onnx_path),

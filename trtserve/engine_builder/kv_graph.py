@@ -445,7 +445,7 @@ def build_kv(tmp: Path, manifest) -> dict:
         ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
         staged.unlink()
         _same_lowerings(tmp / OPTIMIZED, out)
-        check = check_kv(tmp, manifest)
+        check = _checked_without_rounding(tmp, manifest)
     except RuntimeError as exc:  # ONNX Runtime refused the lowered graph: the engine keeps the portable one
         for path in (staged, out):
             path.unlink(missing_ok=True)
@@ -457,12 +457,33 @@ def build_kv(tmp: Path, manifest) -> dict:
     return {"file": KV_GRAPH, "capacity": capacity, "check": check}
 
 
+def _checked_without_rounding(tmp: Path, manifest) -> dict:
+    """check_kv on the two graphs as written, or, where they round GEMM activations, on copies of both with fp32
+    activations: the check is of the attention and cache lowering, which rounding would hide behind its own
+    sensitivity (activation_residual.without_rounded_activations); the roundings are the same per node in both."""
+    import tempfile
+
+    from trtserve.engine_builder.activation_residual import without_rounded_activations
+    from trtserve.engine_builder.onnxruntime import OPTIMIZED
+
+    if not without_rounded_activations(onnx.load(str(tmp / OPTIMIZED), load_external_data=False)):
+        return check_kv(tmp, manifest)  # the decode graph has the optimized graph's lowerings, so none either
+    with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+        for name in (OPTIMIZED, KV_GRAPH):
+            model = onnx.load(str(tmp / name))
+            without_rounded_activations(model)
+            onnx.save(model, str(Path(scratch) / name))
+        return dict(check_kv(Path(scratch), manifest), activations="fp32 in both graphs for the check")
+
+
 def _same_lowerings(main: Path, kv: Path) -> None:
     """Give the decode graph the optimized graph's ONNX-Runtime-only lowerings: each MatMulNBits node's accuracy
-    level (nodes keep their names through the lowering) and GatherBlockQuantized tables."""
+    level and residual rows (nodes keep their names through the lowering) and GatherBlockQuantized tables."""
+    from trtserve.engine_builder.activation_residual import add_residual_rows, residual_gemms
     from trtserve.engine_builder.onnxruntime import _gather_block_quantized
 
-    nodes = onnx.load(str(main), load_external_data=False).graph.node
+    main_model = onnx.load(str(main), load_external_data=False)
+    nodes = main_model.graph.node
     levels = {n.name: _attr(n, "accuracy_level") for n in nodes if n.op_type == "MatMulNBits"}
     gathers = any(n.op_type == "GatherBlockQuantized" for n in nodes)
     model = onnx.load(str(kv))
@@ -471,6 +492,7 @@ def _same_lowerings(main: Path, kv: Path) -> None:
             kept = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend(kept + [helper.make_attribute("accuracy_level", levels[node.name])])
+    add_residual_rows(model, residual_gemms(main_model))
     if gathers:
         _gather_block_quantized(model)
     onnx.save(model, str(kv))

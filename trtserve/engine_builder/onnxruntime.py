@@ -15,12 +15,14 @@ INT8_ACTIVATIONS = 4
 FLOAT_ACTIVATIONS = 0
 
 
-def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None = None) -> dict:
+def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None = None,
+              residual: frozenset = frozenset()) -> dict:
     """Optimize `onnx_path` with every ORT graph optimization; return the manifest's backend entry.
 
     ONNX Runtime fuses each blocked DequantizeLinear -> MatMul pair into a MatMulNBits node named as the
-    MatMul; those in `int8_activations` ("*": all) run on int8 activations, the others on fp32 ones. The
-    choice lives in the optimized graph only, never in the portable one."""
+    MatMul; those in `int8_activations` ("*": all) run on int8 activations, those in `residual` ("*": all the
+    others) on int8 activations and their rounding residual (engine_builder/activation_residual.py), the rest
+    on fp32 ones. The choice lives in the optimized graph only, never in the portable one."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -28,7 +30,7 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     options.optimized_model_filepath = str(out_dir / OPTIMIZED)
     options.log_severity_level = 3  # the "hardware specific" notice: the manifest records the machine
     ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    levels = _lower(out_dir / OPTIMIZED, int8_activations) if int8_activations is not None else {}
+    levels = _lower(out_dir / OPTIMIZED, int8_activations, residual) if int8_activations is not None else {}
     return {
         "name": "onnxruntime",
         "graph": OPTIMIZED,
@@ -166,22 +168,31 @@ def resident_mb(graph: Path) -> float | None:
     return round(int(done.stdout.strip()) / 1e6, 1) if done.returncode == 0 and done.stdout.strip() else None
 
 
-def _lower(graph: Path, int8_activations: frozenset) -> dict:
+def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = frozenset()) -> dict:
     """ONNX-Runtime-only lowerings of blocked weights in the optimized graph: each MatMulNBits node's
-    accuracy level, and GatherBlockQuantized for an embedding read through DequantizeLinear (which
-    ONNX Runtime 1.32 would otherwise dequantize whole on every call). Returns the accuracy-level counts."""
+    accuracy level, the residual rows of those in `residual`, and GatherBlockQuantized for an embedding read
+    through DequantizeLinear (which ONNX Runtime 1.32 would otherwise dequantize whole on every call).
+    Returns the accuracy-level counts ("4+residual" for GEMMs given residual rows)."""
     import onnx
 
+    from trtserve.engine_builder.activation_residual import add_residual_rows
+
     model = onnx.load(str(graph))
+    int8 = {n.name for n in model.graph.node if n.op_type == "MatMulNBits"
+            and ("*" in int8_activations or n.name in int8_activations)}
+    with_residual = {n.name for n in model.graph.node if n.op_type == "MatMulNBits" and n.name not in int8
+                     and ("*" in residual or n.name in residual)}
     counts = {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        level = INT8_ACTIVATIONS if "*" in int8_activations or node.name in int8_activations else FLOAT_ACTIVATIONS
+        level = INT8_ACTIVATIONS if node.name in int8 | with_residual else FLOAT_ACTIVATIONS
         attributes = [a for a in node.attribute if a.name != "accuracy_level"]
         del node.attribute[:]
         node.attribute.extend(attributes + [onnx.helper.make_attribute("accuracy_level", level)])
-        counts[str(level)] = counts.get(str(level), 0) + 1
+        key = f"{level}+residual" if node.name in with_residual else str(level)
+        counts[key] = counts.get(key, 0) + 1
+    add_residual_rows(model, with_residual)
     _gather_block_quantized(model)
     onnx.save(model, str(graph))
     return counts

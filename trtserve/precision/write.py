@@ -59,7 +59,7 @@ class Gate:
     source: object  # models.sources.ModelSource
     harness: object  # run.Harness: the reference model and text, loaded once
     target: Target
-    lower: Callable  # (portable graph, int8-activation GEMMs or None) -> the backend's manifest entry
+    lower: Callable  # (portable graph, int8-activation GEMMs or None, GEMMs with the residual) -> backend entry
     engine: Callable  # (precision section, backend entry, graph sha256) -> the engine dir to measure
     missed: list = field(default_factory=list)  # the tries that missed the target, as the manifest records them
 
@@ -92,7 +92,7 @@ def write_precision(name: str, gate: Gate) -> dict:
         label = (f", int8 activations in {plan.label}" if plan else "") + (
             f", the {kept} most sensitive weights kept safer" if strategy.widens_to(kept) else "")
         with step(f"optimizing the graph with ONNX Runtime{label}"):
-            entry = gate.lower(gate.out, plan.int8 if plan else None)
+            entry = gate.lower(gate.out, plan.int8 if plan else None, plan.residual if plan else frozenset())
         if plan:
             entry.update(int8_activations=plan.label, int8_activations_missed=list(gate.missed))
         return gate.engine(dict(policy.describe(), graph=strategy.graph_report, search=search_record), entry,
@@ -277,7 +277,7 @@ class _Measured(_Blocked):
                           cache_dir=cache_root() / "sensitivity")
 
     def keep(self, plan) -> frozenset:
-        return plan.int8 if plan else frozenset()
+        return plan.fast if plan else frozenset()
 
     def widenings(self, plan) -> list[int]:
         return widening_counts(self.blocks, self.policy.weights)

@@ -21,7 +21,8 @@ class ServerConfig(Settings):
     max_batch: int = Field(32, ge=1, description="rows per batch")
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch, rows x longest row (decoders: "
                                   "per prefill of newcomers; at least the engine's max sequence)")
-    max_num_seqs: int = Field(16, ge=1, description="decoders: sequences in the running batch (continuous batching)")
+    max_num_seqs: int = Field(32, ge=1, description="decoders: sequences in the running batch (continuous batching; "
+                              "at most the engine's --max-batch)")
     max_prefill_tokens: int = Field(128, ge=0, description="decoders: padded prompt tokens prefilled per step, in "
                                     "chunks between decode steps so newcomers do not stall running streams (0: each "
                                     "prefill in one call)")

@@ -1,0 +1,119 @@
+"""Int8 activations with their rounding residual: about 16-bit activations on the fast int8 kernel (an ONNX
+Runtime lowering, like the accuracy level; the portable graph keeps the exact product).
+
+MatMulNBits at accuracy level 4 rounds each block of 32 activations to int8 by the block's largest magnitude.
+For a GEMM lowered this way the graph computes that rounding's residual r = x - round(x) itself (the same
+blocks and rule) and passes it as extra rows of the same call: [x; r] @ W = round(x) @ W + round(r) @ W, summed.
+The weights are read once, and what is lost is the residual's own rounding, about 1/254 of the first one.
+At batch 1 the call costs little more than one row; with many rows it costs twice the rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper, numpy_helper
+
+BLOCK = 32  # MatMulNBits' activation blocks are its weight blocks: every blocked weight here uses 32
+ROWS = ".residual.rows"  # the suffix of the Concat that feeds a GEMM its activations and their residual
+
+
+def residual_gemms(model) -> frozenset:
+    """The MatMulNBits nodes of `model` that read their input with its residual rows."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    return frozenset(n.name for n in model.graph.node if n.op_type == "MatMulNBits"
+                     and getattr(producers.get(n.input[0]), "name", "").endswith(ROWS))
+
+
+def add_residual_rows(model, names) -> int:
+    """Give each MatMulNBits node named in `names` ("*": every one) its input's int8 rounding residual as extra
+    rows, and sum the two halves of its output; GEMMs reading one input share the residual. In place; returns
+    how many GEMMs were rewritten."""
+    graph = model.graph
+    constants = {
+        "residual.block_shape": np.array([-1, BLOCK], np.int64), "residual.axes": np.array([-1], np.int64),
+        "residual.levels": np.array(127.0, np.float32), "residual.smallest": np.array(1e-30, np.float32)}
+    chosen = {n.name for n in graph.node if n.op_type == "MatMulNBits" and ("*" in names or n.name in names)
+              and _block_size(n) == BLOCK}
+    if not chosen:
+        return 0
+    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in constants.items()
+                             if k not in {i.name for i in graph.initializer})
+    rows_of: dict[str, str] = {}
+    out = []
+    for node in graph.node:
+        if node.op_type != "MatMulNBits" or node.name not in chosen:
+            out.append(node)
+            continue
+        x = node.input[0]
+        if x not in rows_of:
+            rows_of[x] = f"{x}{ROWS}"
+            out += _residual_nodes(x, rows_of[x])
+        y = node.output[0]
+        node.input[0] = rows_of[x]
+        node.output[0] = f"{node.name}.with_residual"
+        out += [node,
+                helper.make_node("Split", [node.output[0]], [f"{node.name}.rounded", f"{node.name}.residual"],
+                                 name=f"{node.name}.residual.split", axis=0, num_outputs=2),
+                helper.make_node("Add", [f"{node.name}.rounded", f"{node.name}.residual"], [y],
+                                 name=f"{node.name}.residual.sum")]
+    del graph.node[:]
+    graph.node.extend(out)
+    return len(chosen)
+
+
+def _residual_nodes(x: str, rows: str) -> list:
+    """x's blocks rounded as the kernel rounds them (x * 127 / absmax to the nearest integer), the residual,
+    and the Concat of x and the residual along the first axis."""
+    def node(op, inputs, output, **attrs):
+        return helper.make_node(op, inputs, [f"{x}.residual.{output}"], name=f"{x}.residual.{output}", **attrs)
+
+    p = f"{x}.residual."
+    return [
+        node("Reshape", [x, "residual.block_shape"], "blocks"),
+        node("Abs", [p + "blocks"], "abs"),
+        node("ReduceMax", [p + "abs", "residual.axes"], "absmax", keepdims=1),
+        node("Max", [p + "absmax", "residual.smallest"], "safe_absmax"),
+        node("Div", ["residual.levels", p + "safe_absmax"], "inverse_scale"),
+        node("Mul", [p + "blocks", p + "inverse_scale"], "scaled"),
+        node("Round", [p + "scaled"], "levels"),
+        node("Div", [p + "levels", p + "inverse_scale"], "rounded"),
+        node("Sub", [p + "blocks", p + "rounded"], "error"),
+        node("Shape", [x], "shape"),
+        node("Reshape", [p + "error", p + "shape"], "values"),
+        helper.make_node("Concat", [x, p + "values"], [rows], name=rows, axis=0),
+    ]
+
+
+def _block_size(node) -> int | None:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "block_size"), None)
+
+
+def without_rounded_activations(model) -> bool:
+    """Undo the activation lowerings in place: residual rows removed, every MatMulNBits back on fp32 activations
+    (accuracy level 0). Returns whether there was any. Two graphs that round activations differ by far more than
+    their fp32 arithmetic does: a difference of 1e-8 in an input moves some values across a rounding boundary
+    (measured on SmolLM2 int4: 3e-8 between two attention kernels grew to 1e-3 of the largest logit)."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    dropped, changed = set(), False
+    for node in graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        rows = producers.get(node.input[0])
+        if rows is not None and rows.name.endswith(ROWS):
+            split = readers[node.output[0]][0]
+            total = readers[split.output[0]][0]
+            node.input[0], node.output[0] = rows.input[0], total.output[0]
+            dropped |= {split.name, total.name}
+            changed = True
+        level = next((a for a in node.attribute if a.name == "accuracy_level"), None)
+        if level is not None and level.i != 0:
+            level.i, changed = 0, True
+    kept = [n for n in graph.node if n.name not in dropped and ".residual." not in n.name and not n.name.endswith(ROWS)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return changed
