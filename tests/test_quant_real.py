@@ -63,6 +63,10 @@ def test_smollm2_int4_meets_the_int4_target(smollm2_int4):
     files = manifest["files"]
     assert files["model.onnx"]["size"] < 200e6  # the fp32 graph holds 540 MB of weights
     assert manifest["backend"]["int8_activations"]
+    kv = manifest["backend"]["kv_graph"]  # checked against the optimized graph with fp32 activations in both
+    assert kv["file"] == "model.kv.onnx" and kv["check"]["max_relative_difference"] < 1e-4, kv
+    if "residual" in manifest["backend"]["int8_activations"]:
+        assert kv["check"]["activations"].startswith("fp32")
 
 
 def test_tensorrt_plan_of_the_int4_engine_has_its_int4_weight_layers(smollm2_int4):
