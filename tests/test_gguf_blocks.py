@@ -161,9 +161,10 @@ def test_onnx_runtime_lowerings_in_the_optimized_graph_only(tiny, tmp_path):
                    for a in n.attribute)
 
 
-def test_residual_rows_are_an_optimized_graph_lowering_closer_to_fp32_than_int8(tiny, tmp_path):
-    """The plans' residual form: the GEMMs outside the int8 set run on the int8 kernel with their rounding
-    residual; only the optimized graph holds it, and what it computes is far closer to the fp32 graph's."""
+def test_residual_rows_are_an_optimized_graph_lowering_for_8_bit_weights(tiny, tmp_path):
+    """The plans' residual form: the 8-bit GEMMs outside the int8 set (here the tied LM head on the Q8_0 table)
+    run on the int8 kernel with their rounding residual, the 4-bit ones on fp32 activations; only the optimized
+    graph holds it, and its logits are far closer to the fp32 graph's than an int8 head's."""
     from trtserve.engine_builder.activation_residual import residual_gemms
     from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort
 
@@ -171,20 +172,21 @@ def test_residual_rows_are_an_optimized_graph_lowering_closer_to_fp32_than_int8(
     model, _ = apply_gguf(onnx.ModelProto.FromString(fp32.SerializeToString()), path)
     onnx.save(model, str(tmp_path / "model.onnx"))
     ids = np.random.default_rng(4).integers(0, VOCAB, (2, 6))
-    exact = _run(model, ids, "none")[1]  # `side`: after up, gate and down, not the LM head
-    side = {}
-    for label, int8, residual in (("int8", frozenset("*"), frozenset()), ("residual", frozenset({"lm_head"}),
-                                                                          frozenset("*"))):
+    exact = _run(model, ids, "none")[0]
+    logits, entries = {}, {}
+    for label, int8, residual in (("int8", frozenset({"lm_head"}), frozenset()),
+                                  ("residual", frozenset(), frozenset("*"))):
         out = tmp_path / label
         out.mkdir()
-        entry = build_ort(tmp_path / "model.onnx", out, int8, residual)
+        entries[label] = build_ort(tmp_path / "model.onnx", out, int8, residual)["matmulnbits_accuracy_levels"]
         lowered = onnx.load(str(out / OPTIMIZED))
-        side[label] = _run(lowered, ids, "none")[1]
-    assert entry["matmulnbits_accuracy_levels"] == {"4": 1, "4+residual": 2}
-    assert residual_gemms(lowered) == {"up_proj", "down_proj"}  # the fused gate/up GEMM keeps the up name
-    assert plans(fp32)[1].fast == frozenset("*") and not plans(fp32)[1].fp32_weights
-    error = {k: np.abs(v - exact).max() for k, v in side.items()}
+        logits[label] = _run(lowered, ids, "none")[0]
+    assert entries == {"int8": {"0": 2, "4": 1}, "residual": {"0": 2, "4+residual": 1}}
+    assert residual_gemms(lowered) == {"lm_head"}
+    assert plans(fp32)[3].fast == frozenset("*") and not plans(fp32)[3].fp32_weights
+    error = {k: np.abs(v - exact).max() for k, v in logits.items()}
     assert error["residual"] < error["int8"] / 30, error
+
 
 def test_tensorrt_rtx_parses_the_carried_graph(tiny, tmp_path):
     trt = pytest.importorskip("tensorrt_rtx", reason="pip install tensorrt-rtx-cu13 (parses ONNX without a GPU)")

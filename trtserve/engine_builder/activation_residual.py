@@ -5,7 +5,12 @@ MatMulNBits at accuracy level 4 rounds each block of 32 activations to int8 by t
 For a GEMM lowered this way the graph computes that rounding's residual r = x - round(x) itself (the same
 blocks and rule) and passes it as extra rows of the same call: [x; r] @ W = round(x) @ W + round(r) @ W, summed.
 The weights are read once, and what is lost is the residual's own rounding, about 1/254 of the first one.
-At batch 1 the call costs little more than one row; with many rows it costs twice the rows.
+
+What it costs, measured (SmolLM2, ONNX Runtime 1.32, 2 threads, AMD EPYC Zen 4, docs/benchmarks.md): the 12
+small nodes per input took about as much as the int8 kernel saved at batch 1 (4-bit weights: 85.0 tok/s
+against 88.7 on fp32 activations), and with 16 sequences the doubled rows cost 38% (95 against 152 tok/s).
+So the build gives the residual only to 8-bit weights, which have no fast kernel on fp32 activations (an
+8-bit LM head: 121 ms a step on fp32 activations, 1.8 ms on int8 ones) and would otherwise stay fp32.
 """
 
 from __future__ import annotations
@@ -69,15 +74,15 @@ def _residual_nodes(x: str, rows: str) -> list:
 
     p = f"{x}.residual."
     return [
-        node("Reshape", [x, "residual.block_shape"], "blocks"),
-        node("Abs", [p + "blocks"], "abs"),
+        node("Reshape", [x, "residual.block_shape"], "grouped"),
+        node("Abs", [p + "grouped"], "abs"),
         node("ReduceMax", [p + "abs", "residual.axes"], "absmax", keepdims=1),
         node("Max", [p + "absmax", "residual.smallest"], "safe_absmax"),
         node("Div", ["residual.levels", p + "safe_absmax"], "inverse_scale"),
-        node("Mul", [p + "blocks", p + "inverse_scale"], "scaled"),
+        node("Mul", [p + "grouped", p + "inverse_scale"], "scaled"),
         node("Round", [p + "scaled"], "levels"),
         node("Div", [p + "levels", p + "inverse_scale"], "rounded"),
-        node("Sub", [p + "blocks", p + "rounded"], "error"),
+        node("Sub", [p + "grouped", p + "rounded"], "error"),
         node("Shape", [x], "shape"),
         node("Reshape", [p + "error", p + "shape"], "values"),
         helper.make_node("Concat", [x, p + "values"], [rows], name=rows, axis=0),

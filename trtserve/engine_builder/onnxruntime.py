@@ -20,9 +20,9 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     """Optimize `onnx_path` with every ORT graph optimization; return the manifest's backend entry.
 
     ONNX Runtime fuses each blocked DequantizeLinear -> MatMul pair into a MatMulNBits node named as the
-    MatMul; those in `int8_activations` ("*": all) run on int8 activations, those in `residual` ("*": all the
-    others) on int8 activations and their rounding residual (engine_builder/activation_residual.py), the rest
-    on fp32 ones. The choice lives in the optimized graph only, never in the portable one."""
+    MatMul; those in `int8_activations` ("*": all) run on int8 activations, the 8-bit ones in `residual` ("*":
+    all the others) on int8 activations and their rounding residual (engine_builder/activation_residual.py),
+    the rest on fp32 ones. The choice lives in the optimized graph only, never in the portable one."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -181,7 +181,7 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
     int8 = {n.name for n in model.graph.node if n.op_type == "MatMulNBits"
             and ("*" in int8_activations or n.name in int8_activations)}
     with_residual = {n.name for n in model.graph.node if n.op_type == "MatMulNBits" and n.name not in int8
-                     and ("*" in residual or n.name in residual)}
+                     and ("*" in residual or n.name in residual) and _attrs(n).get("bits") == 8}
     counts = {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":

@@ -8,9 +8,9 @@ outliers. The LM head is the largest GEMM, and an 8-bit weight has no fast kerne
 in ONNX Runtime 1.32 (121 ms against 1.8 ms per SmolLM2 decode step, measured), so a plan that gives
 the head fp32 activations keeps its weight in fp32 in the graph instead of 8-bit.
 
-In a decoder the GEMMs a plan does not round to int8 run on int8 activations with their rounding residual
-(engine_builder/activation_residual.py): about 16-bit activations on the same fast kernel, which at a row per
-sequence costs less than the 4-bit kernel on fp32 activations.
+In a decoder the 8-bit GEMMs a plan does not round to int8 run on int8 activations with their rounding residual
+(engine_builder/activation_residual.py): about 16-bit activations on the fast kernel, so they keep 8-bit
+weights.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def normalized_gemms(model) -> frozenset:
 
 
 def plans(model) -> list[Plan]:
-    """Decoders (a graph with an LM head): the GEMMs outside a plan's int8 set take the rounding residual, since
-    decoding feeds them a row or a few per sequence. Encoders compute many rows at once, where the residual's
-    second set of rows costs more than fp32 activations: theirs keep fp32."""
+    """Decoders (a graph with an LM head): the 8-bit GEMMs outside a plan's int8 set take the rounding residual
+    (the 4-bit ones keep fp32 activations, as fast or faster; engine_builder/activation_residual.py), so an
+    8-bit weight no longer needs fp32 weights to be fast enough. Encoders compute many rows at once, where the
+    residual's second set of rows costs more than fp32 weights: theirs keep fp32."""
     head = lm_head(model)
     every = frozenset("*")
     if head is None:
@@ -64,8 +65,8 @@ def plans(model) -> list[Plan]:
                 Plan("none", frozenset())]
     heads = frozenset({head})
     return [Plan("every quantized GEMM", every),
-            Plan("GEMMs reading a normalization, and the LM head; the others with their rounding residual",
+            Plan("GEMMs reading a normalization, and the LM head; other 8-bit GEMMs with their rounding residual",
                  normalized_gemms(model) | heads, residual=every),
-            Plan("the LM head; the others with their rounding residual", heads, residual=every),
-            Plan("every quantized GEMM, with its rounding residual", frozenset(), residual=every),
+            Plan("the LM head; other 8-bit GEMMs with their rounding residual", heads, residual=every),
+            Plan("8-bit GEMMs only, with their rounding residual", frozenset(), residual=every),
             Plan("none", frozenset(), fp32_weights=heads)]
