@@ -1,6 +1,7 @@
 """Int8 activations with their rounding residual (engine_builder/activation_residual.py) on ONNX Runtime's real
-MatMulNBits kernel: the rewritten call computes round(x) @ W + round(x - round(x)) @ W, with the kernel's own
-rounding (blocks of 32 by their largest magnitude), and so comes far closer to the fp32 product than int8 alone."""
+MatMulNBits kernel with 8-bit weights: the rewritten call computes round(x) @ W + round(x - round(x)) @ W, with the
+kernel's own rounding (blocks of 32 by their largest magnitude), and so comes far closer to the fp32 product than
+int8 alone; a bias is added once; the lowering undoes exactly."""
 
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ from trtserve.engine_builder.activation_residual import add_residual_rows, resid
 K, N = 128, 64
 
 
-def _gemm_model(codes, scales, level: int, names=("a", "b")):
-    """Two 4-bit GEMMs reading one input, a third reading the first's output."""
+def _gemm_model(codes, scales, level: int, names=("a", "b"), bias=None):
+    """Two 8-bit GEMMs reading one input (the second with `bias`, if given), a third reading the first's output."""
     inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales"),
              numpy_helper.from_array(codes[:, : N // 32].copy(), "codes2"),
              numpy_helper.from_array(scales.reshape(N, -1)[:, : N // 32].ravel().copy(), "scales2")]
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "bias"))
 
-    def gemm(name, x, y, k, b, s):
-        return helper.make_node("MatMulNBits", [x, b, s], [y], name=name, domain="com.microsoft", K=k, N=N, bits=4,
-                                block_size=32, accuracy_level=level)
+    def gemm(name, x, y, k, b, s, extra=()):
+        return helper.make_node("MatMulNBits", [x, b, s, *extra], [y], name=name, domain="com.microsoft", K=k, N=N,
+                                bits=8, block_size=32, accuracy_level=level)
 
-    nodes = [gemm(names[0], "x", "y0", K, "codes", "scales"), gemm(names[1], "x", "y1", K, "codes", "scales"),
+    nodes = [gemm(names[0], "x", "y0", K, "codes", "scales"),
+             gemm(names[1], "x", "y1", K, "codes", "scales", ("", "", "bias") if bias is not None else ()),
              gemm("c", "y0", "y2", N, "codes2", "scales2")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", K])],
-                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["b", "s", N]) for y in ("y1", "y2")], inits)
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["b", "s", N]) for y in ("y1", "y2")],
+                              inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
 
 
@@ -38,11 +43,9 @@ def _run(model, x):
 
 def _weights():
     rng = np.random.default_rng(0)
-    codes = rng.integers(0, 256, size=(N, K // 32, 16), dtype=np.uint8)
+    codes = rng.integers(0, 256, size=(N, K // 32, 32), dtype=np.uint8)
     scales = (rng.random((N, K // 32), dtype=np.float32) * 0.01 + 0.001).ravel()
-    low, high = (codes & 0x0F).astype(np.float32), (codes >> 4).astype(np.float32)
-    values = np.stack([low, high], -1).reshape(N, K // 32, 32)  # the low nibble first
-    dense = ((values - 8) * scales.reshape(N, K // 32, 1)).reshape(N, K)  # no zero point: 8
+    dense = ((codes.astype(np.float32) - 128) * scales.reshape(N, K // 32, 1)).reshape(N, K)  # no zero point: 128
     return codes, scales, dense
 
 
@@ -61,8 +64,9 @@ def test_residual_rows_compute_both_roundings_through_the_same_weights():
     exact = _run(_gemm_model(codes, scales, 0), x)[0]
     int8 = _run(_gemm_model(codes, scales, 4), x)[0]
     model = _gemm_model(codes, scales, 4)
-    assert add_residual_rows(model, {"a", "b"}) == 2
+    assert add_residual_rows(model, {"a", "b"}) == {"a", "b"}
     assert residual_gemms(model) == {"a", "b"}
+    assert not add_residual_rows(model, {"a", "b"})  # once only
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("Concat") == 1 and ops.count("Split") == 2  # one residual for the two readers of x
     got = _run(model, x)[0]
@@ -78,7 +82,7 @@ def test_residual_rows_compute_both_roundings_through_the_same_weights():
 def test_only_the_named_gemms_and_any_input_shape():
     codes, scales, _ = _weights()
     model = _gemm_model(codes, scales, 4)
-    assert add_residual_rows(model, {"c"}) == 1 and residual_gemms(model) == {"c"}
+    assert add_residual_rows(model, {"c"}) == {"c"} and residual_gemms(model) == {"c"}
     onnx.checker.check_model(model)
     for shape in ((1, 1, K), (3, 7, K)):
         x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
@@ -86,21 +90,42 @@ def test_only_the_named_gemms_and_any_input_shape():
         assert outputs[1].shape == shape[:2] + (N,) and np.isfinite(outputs[1]).all()
     zeros = _run(model, np.zeros((1, 2, K), np.float32))
     assert all(np.all(o == 0) for o in zeros)  # an all-zero block: no division by zero
-    assert add_residual_rows(_gemm_model(codes, scales, 4), set()) == 0
+    assert not add_residual_rows(_gemm_model(codes, scales, 4), set())
 
 
 def test_rounded_activations_are_undone_exactly():
     """The decode-graph check compares graphs without their roundings: undoing them gives back the fp32-activation
-    graph's numbers."""
-    from trtserve.engine_builder.activation_residual import without_rounded_activations
+    graph's numbers, a shared residual and a bias included."""
+    from trtserve.engine_builder.activation_residual import activation_lowerings, without_rounded_activations
 
     codes, scales, _ = _weights()
+    bias = np.linspace(-1, 1, N, dtype=np.float32)
     x = np.random.default_rng(3).standard_normal((1, 3, K)).astype(np.float32)
-    exact = _run(_gemm_model(codes, scales, 0), x)
-    model = _gemm_model(codes, scales, 4)
-    add_residual_rows(model, {"a"})
+    exact = _run(_gemm_model(codes, scales, 0, bias=bias), x)
+    model = _gemm_model(codes, scales, 4, bias=bias)
+    add_residual_rows(model, {"a", "b"})
+    assert activation_lowerings(model) == {"a": (4, True), "b": (4, True), "c": (4, False)}
     assert without_rounded_activations(model) and not residual_gemms(model)
     assert not any(".residual" in n.name for n in model.graph.node)
+    assert not any(i.name.startswith("residual.") for i in model.graph.initializer)
+    assert list(next(n for n in model.graph.node if n.name == "b").input)[5] == "bias"
     for got, want in zip(_run(model, x), exact):
         np.testing.assert_array_equal(got, want)
     assert not without_rounded_activations(model)  # nothing left to undo
+
+
+def test_a_bias_is_added_once_and_4_bit_weights_keep_fp32_activations():
+    codes, scales, dense = _weights()
+    bias = np.linspace(-1, 1, N, dtype=np.float32)
+    x = np.random.default_rng(5).standard_normal((2, 4, K)).astype(np.float32)
+    exact = _run(_gemm_model(codes, scales, 0, bias=bias), x)[0]
+    model = _gemm_model(codes, scales, 4, bias=bias)
+    add_residual_rows(model, "*")
+    got = _run(model, x)[0]
+    np.testing.assert_allclose(got, x @ dense.T + bias, rtol=1e-3, atol=1e-3 * np.abs(exact).max())
+    assert np.abs(got - exact).max() < 1e-3 * np.abs(exact).max()
+    four_bit = onnx.helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], name="q4", domain="com.microsoft", K=K,
+                                     N=N, bits=4, block_size=32)
+    from trtserve.engine_builder.activation_residual import takes_residual
+
+    assert not takes_residual(four_bit)

@@ -22,6 +22,9 @@ BLOCK = 32  # MatMulNBits' activation blocks are its weight blocks: every blocke
 ROWS = ".residual.rows"  # the suffix of the Concat that feeds a GEMM its activations and their residual
 
 
+BIAS = 5  # MatMulNBits' optional bias input (ONNX Runtime folds a following Add into it)
+
+
 def residual_gemms(model) -> frozenset:
     """The MatMulNBits nodes of `model` that read their input with its residual rows."""
     producers = {o: n for n in model.graph.node for o in n.output}
@@ -29,18 +32,36 @@ def residual_gemms(model) -> frozenset:
                      and getattr(producers.get(n.input[0]), "name", "").endswith(ROWS))
 
 
-def add_residual_rows(model, names) -> int:
-    """Give each MatMulNBits node named in `names` ("*": every one) its input's int8 rounding residual as extra
-    rows, and sum the two halves of its output; GEMMs reading one input share the residual. In place; returns
-    how many GEMMs were rewritten."""
+def activation_lowerings(model) -> dict:
+    """Each MatMulNBits node's accuracy level, and whether it reads residual rows: what two graphs of one engine
+    must agree on."""
+    rows = residual_gemms(model)
+    return {n.name: (next((a.i for a in n.attribute if a.name == "accuracy_level"), 0), n.name in rows)
+            for n in model.graph.node if n.op_type == "MatMulNBits"}
+
+
+def takes_residual(node) -> bool:
+    """Whether a MatMulNBits node can take residual rows: 8-bit weights in blocks of 32 over an input dimension
+    made of whole blocks (the residual's blocks must be the kernel's)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return (node.op_type == "MatMulNBits" and attrs.get("bits") == 8 and attrs.get("block_size") == BLOCK
+            and attrs.get("K", 0) % BLOCK == 0)
+
+
+def add_residual_rows(model, names) -> frozenset:
+    """Give each MatMulNBits node named in `names` ("*": every one) that `takes_residual` its input's int8
+    rounding residual as extra rows, and sum the two halves of its output (then add its bias, once); GEMMs
+    reading one input share the residual, and a GEMM that has residual rows already is left alone. In place;
+    returns the names of the GEMMs rewritten."""
     graph = model.graph
     constants = {
         "residual.block_shape": np.array([-1, BLOCK], np.int64), "residual.axes": np.array([-1], np.int64),
         "residual.levels": np.array(127.0, np.float32), "residual.smallest": np.array(1e-30, np.float32)}
-    chosen = {n.name for n in graph.node if n.op_type == "MatMulNBits" and ("*" in names or n.name in names)
-              and _block_size(n) == BLOCK}
+    done = residual_gemms(model)
+    chosen = frozenset(n.name for n in graph.node if ("*" in names or n.name in names) and takes_residual(n)
+                       and n.name not in done)
     if not chosen:
-        return 0
+        return chosen
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in constants.items()
                              if k not in {i.name for i in graph.initializer})
     rows_of: dict[str, str] = {}
@@ -54,16 +75,22 @@ def add_residual_rows(model, names) -> int:
             rows_of[x] = f"{x}{ROWS}"
             out += _residual_nodes(x, rows_of[x])
         y = node.output[0]
+        bias = node.input[BIAS] if len(node.input) > BIAS else ""
+        if bias:  # the bias belongs to the sum, not to each half
+            del node.input[BIAS:]
         node.input[0] = rows_of[x]
         node.output[0] = f"{node.name}.with_residual"
+        total = f"{node.name}.residual.total" if bias else y
         out += [node,
                 helper.make_node("Split", [node.output[0]], [f"{node.name}.rounded", f"{node.name}.residual"],
                                  name=f"{node.name}.residual.split", axis=0, num_outputs=2),
-                helper.make_node("Add", [f"{node.name}.rounded", f"{node.name}.residual"], [y],
+                helper.make_node("Add", [f"{node.name}.rounded", f"{node.name}.residual"], [total],
                                  name=f"{node.name}.residual.sum")]
+        if bias:
+            out.append(helper.make_node("Add", [total, bias], [y], name=f"{node.name}.residual.bias"))
     del graph.node[:]
     graph.node.extend(out)
-    return len(chosen)
+    return chosen
 
 
 def _residual_nodes(x: str, rows: str) -> list:
@@ -89,22 +116,19 @@ def _residual_nodes(x: str, rows: str) -> list:
     ]
 
 
-def _block_size(node) -> int | None:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "block_size"), None)
-
-
 def without_rounded_activations(model) -> bool:
-    """Undo the activation lowerings in place: residual rows removed, every MatMulNBits back on fp32 activations
-    (accuracy level 0). Returns whether there was any. Two graphs that round activations differ by far more than
-    their fp32 arithmetic does: a difference of 1e-8 in an input moves some values across a rounding boundary
-    (measured on SmolLM2 int4: 3e-8 between two attention kernels grew to 1e-3 of the largest logit)."""
+    """Undo the activation lowerings in place: residual rows removed (a bias back in its GEMM), every
+    MatMulNBits back on fp32 activations (accuracy level 0). Returns whether there was any. Two graphs that
+    round activations differ by far more than their fp32 arithmetic does: a difference of 1e-8 in an input
+    moves some values across a rounding boundary (measured on SmolLM2 int4: 3e-8 between two attention kernels
+    grew to 1e-3 of the largest logit)."""
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output}
     readers: dict[str, list] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    dropped, changed = set(), False
+    dropped, inputs, changed = set(), set(), False
     for node in graph.node:
         if node.op_type != "MatMulNBits":
             continue
@@ -112,13 +136,25 @@ def without_rounded_activations(model) -> bool:
         if rows is not None and rows.name.endswith(ROWS):
             split = readers[node.output[0]][0]
             total = readers[split.output[0]][0]
-            node.input[0], node.output[0] = rows.input[0], total.output[0]
-            dropped |= {split.name, total.name}
+            bias = readers.get(total.output[0], [None])[0]
+            last = bias if bias is not None and bias.name == f"{node.name}.residual.bias" else total
+            if last is bias:
+                node.input.extend([""] * (BIAS - len(node.input)) + [bias.input[1]])
+            node.input[0], node.output[0] = rows.input[0], last.output[0]
+            dropped |= {split.name, total.name, last.name}
+            inputs.add(rows.input[0])
             changed = True
         level = next((a for a in node.attribute if a.name == "accuracy_level"), None)
         if level is not None and level.i != 0:
             level.i, changed = 0, True
-    kept = [n for n in graph.node if n.name not in dropped and ".residual." not in n.name and not n.name.endswith(ROWS)]
+    prefixes = tuple(f"{x}.residual." for x in inputs)
+    dropped |= {n.name for n in graph.node if n.name.startswith(prefixes) or n.name in {f"{x}{ROWS}" for x in inputs}}
+    kept = [n for n in graph.node if n.name not in dropped]
     del graph.node[:]
     graph.node.extend(kept)
+    if inputs:
+        used = {name for n in graph.node for name in n.input}
+        unused = [i for i in graph.initializer if i.name.startswith("residual.") and i.name not in used]
+        for init in unused:
+            graph.initializer.remove(init)
     return changed

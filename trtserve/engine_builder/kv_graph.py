@@ -450,6 +450,10 @@ def build_kv(tmp: Path, manifest) -> dict:
         for path in (staged, out):
             path.unlink(missing_ok=True)
         return {"file": None, "why_not": f"ONNX Runtime could not run the decode graph: {str(exc).splitlines()[0]}"}
+    if check.get("lowerings_differ"):
+        out.unlink()
+        return {"file": None, "why_not": "the decode graph's activation roundings differ from the optimized graph's "
+                                         f"at {', '.join(check['lowerings_differ'][:3])}"}
     if check["max_relative_difference"] > CHECK_TOLERANCE:
         out.unlink()
         return {"file": None, "why_not": f"logits differ from the optimized graph by {check['max_relative_difference']:.2e} "
@@ -460,14 +464,22 @@ def build_kv(tmp: Path, manifest) -> dict:
 def _checked_without_rounding(tmp: Path, manifest) -> dict:
     """check_kv on the two graphs as written, or, where they round GEMM activations, on copies of both with fp32
     activations: the check is of the attention and cache lowering, which rounding would hide behind its own
-    sensitivity (activation_residual.without_rounded_activations); the roundings are the same per node in both."""
+    sensitivity (activation_residual.without_rounded_activations), once each node's rounding is found the same in
+    both (a check that reports `lowerings_differ` otherwise)."""
     import tempfile
 
-    from trtserve.engine_builder.activation_residual import without_rounded_activations
+    from trtserve.engine_builder.activation_residual import activation_lowerings, without_rounded_activations
     from trtserve.engine_builder.onnxruntime import OPTIMIZED
 
-    if not without_rounded_activations(onnx.load(str(tmp / OPTIMIZED), load_external_data=False)):
-        return check_kv(tmp, manifest)  # the decode graph has the optimized graph's lowerings, so none either
+    main = onnx.load(str(tmp / OPTIMIZED), load_external_data=False)
+    kv = onnx.load(str(tmp / KV_GRAPH), load_external_data=False)
+    lowerings = activation_lowerings(main), activation_lowerings(kv)
+    if lowerings[0] != lowerings[1]:
+        differ = sorted(name for name in lowerings[0].keys() | lowerings[1].keys()
+                        if lowerings[0].get(name) != lowerings[1].get(name))
+        return {"max_relative_difference": float("inf"), "lowerings_differ": differ}
+    if not without_rounded_activations(main):
+        return check_kv(tmp, manifest)
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
         for name in (OPTIMIZED, KV_GRAPH):
             model = onnx.load(str(tmp / name))

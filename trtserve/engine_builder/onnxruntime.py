@@ -175,13 +175,13 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
     Returns the accuracy-level counts ("4+residual" for GEMMs given residual rows)."""
     import onnx
 
-    from trtserve.engine_builder.activation_residual import add_residual_rows
+    from trtserve.engine_builder.activation_residual import add_residual_rows, takes_residual
 
     model = onnx.load(str(graph))
     int8 = {n.name for n in model.graph.node if n.op_type == "MatMulNBits"
             and ("*" in int8_activations or n.name in int8_activations)}
-    with_residual = {n.name for n in model.graph.node if n.op_type == "MatMulNBits" and n.name not in int8
-                     and ("*" in residual or n.name in residual) and _attrs(n).get("bits") == 8}
+    with_residual = {n.name for n in model.graph.node if n.name not in int8 and takes_residual(n)
+                     and ("*" in residual or n.name in residual)}
     counts = {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":

@@ -29,7 +29,8 @@ class Plan:
 
     @property
     def fast(self) -> frozenset:
-        """The GEMMs that run on the int8 kernel (an 8-bit weight outside them has no fast kernel)."""
+        """The GEMMs whose 8-bit weights stay 8-bit: those on int8 activations and those given the residual (an
+        8-bit weight outside them has no fast kernel and is kept fp32); 4-bit weights stay 4-bit either way."""
         return frozenset("*") if "*" in self.residual else self.int8 | self.residual
 
 
