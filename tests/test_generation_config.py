@@ -93,3 +93,15 @@ def test_the_checkpoints_defaults_fill_what_a_request_leaves_out(built, tmp_path
         assert text == "[user] hi\n[assistant]"
     finally:
         stop_server(proc)
+
+
+def test_admission_counts_the_running_sequences_the_engine_can_batch(built):
+    """--max-num-seqs (default 32) above the engine's --max-batch (2 here): a worker runs 2, so admission
+    counts 2 running plus --max-queue waiting, and says so in its 429."""
+    from trtserve.server.config import ServerConfig
+    from trtserve.server.generation import GenerationService
+
+    _, engine = built
+    service = GenerationService(ServerConfig(engine_dir=str(engine), max_queue=3))
+    assert service.cfg.max_num_seqs == 32 and service.max_running == 2
+    assert GenerationService(ServerConfig(engine_dir=str(engine), max_num_seqs=1)).max_running == 1

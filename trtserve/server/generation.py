@@ -273,7 +273,9 @@ class GenerationService(DecoderService):
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files
         tracks = self.manifest.parallel_tracks
+        self.max_running = cfg.max_num_seqs  # a worker's batcher runs at most the engine's batch limit
         if tracks is None:
+            self.max_running = min(cfg.max_num_seqs, self.manifest.shapes.batch.max)
             self.max_seq = self.manifest.shapes.total_sequence.max
             self.vocab = self.manifest.model.architecture.vocab_size
             ranks = None
@@ -325,16 +327,16 @@ class GenerationService(DecoderService):
     # -- admission --------------------------------------------------------------------------------
     def submit(self, jobs: list[Job]) -> Submission:
         """Admit every job of a request on one worker, or none: 429 when no worker has room for
-        them (--max-num-seqs running + --max-queue waiting sequences, --max-queue-tokens prompt
-        tokens), 503 when no worker is ready. Known before any byte of the answer is sent."""
+        them (--max-num-seqs running, at most the engine's batch limit, + --max-queue waiting sequences,
+        --max-queue-tokens prompt tokens), 503 when no worker is ready. Known before any byte of the answer is sent."""
         ready = [w for w in self.pool.workers if w.ready and w.channel is not None and not w.channel.closed]
         if not ready:
             raise Unavailable(f"no worker is ready ({len(self.pool.workers)} restarting); retry shortly")
         tokens = sum(len(j.prompt) for j in jobs)
-        room = [w for w in ready if len(w.channel.streams) + len(jobs) <= self.cfg.max_num_seqs + self.cfg.max_queue
+        room = [w for w in ready if len(w.channel.streams) + len(jobs) <= self.max_running + self.cfg.max_queue
                 and w.channel.queued_tokens() + tokens <= self.cfg.max_queue_tokens]
         if not room:
-            raise Overloaded(f"every worker is full ({self.cfg.max_num_seqs} running and {self.cfg.max_queue} waiting "
+            raise Overloaded(f"every worker is full ({self.max_running} running and {self.cfg.max_queue} waiting "
                              f"sequences, {self.cfg.max_queue_tokens} prompt tokens each); retry shortly")
         return self._open(jobs, min(room, key=lambda w: w.load_now))
 
