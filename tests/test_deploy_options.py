@@ -81,7 +81,7 @@ def test_the_engine_cache_key_follows_the_checkpoint_content(tmp_path):
 @pytest.mark.parametrize("variable, value, message", [
     ("TRTSERVE_PORT", "abc", "TRTSERVE_PORT='abc' is not an integer"),
     ("TRTSERVE_REQUEST_TIMEOUT", "soon", "TRTSERVE_REQUEST_TIMEOUT='soon' is not a number"),
-    ("TRTSERVE_BACKEND", "gpu", "TRTSERVE_BACKEND='gpu' is not one of auto, onnxruntime, tensorrt"),
+    ("TRTSERVE_BACKEND", "gpu", "TRTSERVE_BACKEND='gpu' is not one of auto, onnxruntime, tensorrt, openvino"),
     ("TRTSERVE_RAY", "maybe", "TRTSERVE_RAY='maybe' is not true or false"),
 ])
 def test_a_bad_trtserve_variable_is_one_line_for_serve_and_harmless_elsewhere(tmp_path, variable, value, message):

@@ -40,7 +40,10 @@ def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "weights safer")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="engine backend; auto says which it picked and why (tensorrt where TensorRT and a "
-                        "GPU are found). tensorrt adds a TensorRT plan beside the ONNX Runtime graph")
+                        "GPU are found; for encoders and cross-encoders, OpenVINO is also measured where installed "
+                        "and served where it met the target and was faster). tensorrt adds a TensorRT plan beside "
+                        "the ONNX Runtime graph; openvino measures OpenVINO (encoders and cross-encoders) and serves "
+                        "it wherever it meets the target")
     trt = parser.add_argument_group("TensorRT (with --backend tensorrt)")
     trt.add_argument("--workspace-mib", type=int, default=None, help="memory-pool limit for tactics (MiB)")
     trt.add_argument("--timing-cache", type=Path, default=None,
@@ -382,8 +385,8 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("engine_dir", type=Path)
     run.add_argument("--text", action="append", help="input text (repeat for several); default: a Wikipedia paragraph")
     run.add_argument("--max-new-tokens", type=int, default=32, help="decoders: tokens to generate (default 32)")
-    run.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch"],
-                     help="runtime backend (torch: the fp32 reference)")
+    run.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "openvino", "torch"],
+                     help="runtime backend (openvino: an engine whose build measured it; torch: the fp32 reference)")
     run.set_defaults(func=_cmd_run)
     return parser
 

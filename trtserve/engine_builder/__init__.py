@@ -6,4 +6,6 @@ policy (precision/policy.py) and every backend an engine is built for."""
 from trtserve.precision.policy import POLICIES
 
 PRECISIONS = tuple(POLICIES)
-BACKENDS = ("auto", "onnxruntime", "tensorrt")  # auto: tensorrt where TensorRT and a GPU are found
+# auto: tensorrt where TensorRT and a GPU are found; for encoders and cross-encoders, OpenVINO measured beside
+# the ONNX Runtime graph where the openvino package is installed (engine_builder/openvino.py)
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")

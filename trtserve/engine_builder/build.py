@@ -70,6 +70,13 @@ def build_engine(cfg: BuildConfig) -> engine_dir.EngineDir:
     say(f"backend: {backend} ({why})")
     source = resolve(cfg.model)
     check_precision(cfg.precision, source)
+    if backend == "openvino":  # before the long export, as TensorRT's library above
+        from trtserve.runtime.openvino import KINDS, import_openvino
+
+        if source.info.kind not in KINDS:
+            raise TrtServeError(f"--backend openvino builds encoders and cross-encoders; {source.model_id} is a "
+                                f"{source.info.kind} (on decoders OpenVINO measured slower than ONNX Runtime)")
+        import_openvino()
     max_seq = _max_seq(cfg, source)
     grid = None
     if cfg.confirm_grid:  # checked before the long export: a bad grid is a quick, clear error
@@ -139,6 +146,7 @@ class _Draft:
     fp32_graph: Path | None = None  # the export step's graph (in the export cache)
     backend_entry: dict = field(default_factory=dict)  # the precision step's backend section, the decode step adds to
     report: dict = field(default_factory=dict)  # the precision step's measurement, the gate judges
+    harness: object = None  # the precision step's fidelity harness (reference model, text), later steps reuse
 
     def engine(self) -> engine_dir.EngineDir:
         return engine_dir.EngineDir(self.tmp, self.manifest)
@@ -148,7 +156,7 @@ def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, 
                 grid=None) -> dict:
     """Run the build's steps in order into `tmp`; the manifest they composed."""
     draft = _Draft(tmp, cfg, source, max_seq, backend, why, grid)
-    for run in (_export_step, _precision_step, _decode_graph_step, _tensorrt_step, _gate_step):
+    for run in (_export_step, _precision_step, _decode_graph_step, _tensorrt_step, _openvino_step, _gate_step):
         draft.manifest.update(run(draft))
     return draft.manifest
 
@@ -192,6 +200,7 @@ def _precision_step(d: _Draft) -> dict:
     target = d.cfg.fidelity_target or target_for(d.cfg.precision, d.source.info.kind)
     harness = Harness(d.engine(), d.source, target, d.cfg.calibration)
     harness.grid_shapes = d.grid or []
+    d.harness = harness
 
     def lower(graph: Path, int8_activations, residual=frozenset()) -> dict:  # portable -> ONNX Runtime's graph
         return dict(build_ort(graph, d.tmp, int8_activations, residual), chosen_because=d.why)
@@ -238,6 +247,29 @@ def _tensorrt_step(d: _Draft) -> dict:
     with step("building the TensorRT plan"):
         plan = build_trt(d.tmp / ONNX_FILE, d.tmp, engine_dir.as_manifest(d.manifest), d.cfg.trt)
     return {"tensorrt": dict(plan, chosen_because=d.why)}
+
+
+def _openvino_step(d: _Draft) -> dict:
+    """An encoder's or cross-encoder's OpenVINO part (engine_builder/openvino.py): with --backend openvino, or
+    under auto where the openvino package is installed and no TensorRT plan is built."""
+    from importlib.util import find_spec
+
+    from trtserve.runtime.openvino import KINDS
+
+    requested = d.backend == "openvino"
+    if d.source.info.kind not in KINDS or not (requested or (d.cfg.backend == "auto" and d.backend == "onnxruntime")):
+        return {}
+    if not requested and find_spec("openvino") is None:
+        say("openvino: not measured, the openvino package is not installed (pip install 'trtserve[openvino]')")
+        return {}
+    from trtserve.engine_builder.openvino import measure_openvino
+    from trtserve.precision.run import openvino_label
+
+    part, report = measure_openvino(d.engine(), d.harness, requested)
+    if report is not None:
+        d.report = dict(d.report, openvino=report,
+                        labels=dict(d.report.get("labels") or {}, openvino=openvino_label(part["inference_precision"])))
+    return {"openvino": part, "fidelity": d.report}
 
 
 def _gate_step(d: _Draft) -> dict:

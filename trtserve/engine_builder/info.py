@@ -33,6 +33,7 @@ def describe_manifest(engine: EngineDir) -> str:
           if backend.int8_activations is not None else []),
         *_kv_graph(backend.kv_graph),
         *_tensorrt(m.tensorrt),
+        *_openvino(m.openvino),
         f"onnx        {m.onnx.file} opset {m.onnx.opset} (sha256 {m.onnx.sha256[:16]}...)",
         "shapes      " + ", ".join(f"{axis} {r.min}..{r.max} (opt {r.opt})" for axis, r in m.shapes.axes().items()),
         "inputs      " + ", ".join(_io(spec) for spec in m.io.inputs[:4])
@@ -46,6 +47,22 @@ def describe_manifest(engine: EngineDir) -> str:
         f"rebuild     {m.build_command}",
     ]
     return "\n".join(lines)
+
+
+def _openvino(entry) -> list[str]:
+    """The OpenVINO part: what auto serves, and each precision's timing against ONNX Runtime on its CPU."""
+    if entry is None:
+        return []
+    served = "served by auto" if entry.chosen else "not served by auto"
+    lines = [f"openvino    {entry.version}, {entry.inference_precision or 'no precision kept'}, {served}: "
+             f"{entry.chosen_because}"]
+    for t in entry.tried:
+        timed = "; ".join(f"{shape} {ms['openvino']:.1f} ms vs {ms['onnxruntime']:.1f} ms"
+                          for shape, ms in t.get("ms", {}).items())
+        verdict = f"met the target; {timed}" if t["passed"] else f"missed the target: {t['failures'][0]}"
+        lines.append(f"            {t['precision']}: {verdict}")
+    lines.append(f"            timed on {entry.cpu}, {entry.threads} threads")
+    return lines
 
 
 def _sampling(engine: EngineDir, kind: str) -> list[str]:

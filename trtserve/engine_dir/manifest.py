@@ -174,6 +174,20 @@ class TensorRT(Part):
     chosen_because: str | None = None
 
 
+class OpenVino(Part):
+    """OpenVINO compiling the portable graph for the CPU (encoders and cross-encoders), each inference precision
+    this CPU computes natively measured at the gate and timed against ONNX Runtime's graph on this machine."""
+
+    version: str
+    graph: str  # the portable graph it compiles
+    inference_precision: str | None  # the precision kept ("bf16" | "f32"); None: none met the target
+    chosen: bool  # `auto` serves it: requested with --backend openvino, or met the target and measured faster
+    chosen_because: str
+    threads: int
+    cpu: str  # the CPU the timings were taken on: model name and the flags that decide the kernels
+    tried: list[Record]  # per precision: its verdict, worst values, failures, timings against ONNX Runtime
+
+
 class Fidelity(Part):
     """Measured fidelity against torch fp32 (precision.measure): the verdict, and one record per run."""
 
@@ -186,10 +200,13 @@ class Fidelity(Part):
     labels: dict[str, str] | None = None
     onnxruntime: Record | None = None
     fp16_emulation: Record | None = None
+    openvino: Record | None = None  # the OpenVINO precision kept, where one met the target
 
     def runs(self) -> dict[str, Record]:
-        """{run name: its record} of the runs measured (ONNX Runtime; fp16 emulation where the policy has fp16)."""
-        return {name: run for name in ("onnxruntime", "fp16_emulation") if (run := getattr(self, name)) is not None}
+        """{run name: its record} of the runs measured (ONNX Runtime; fp16 emulation where the policy has fp16;
+        OpenVINO where the engine carries a precision of it that met the target)."""
+        return {name: run for name in ("onnxruntime", "fp16_emulation", "openvino")
+                if (run := getattr(self, name)) is not None}
 
 
 class Parity(Part):
@@ -264,6 +281,7 @@ class Manifest(Part):
     precision: Precision | None = None
     backend: Backend | None = None
     tensorrt: TensorRT | None = None
+    openvino: OpenVino | None = None
     fidelity: Fidelity | None = None
     parity: Parity | None = None
     parallel_tracks: ParallelTracks | None = None

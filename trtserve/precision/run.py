@@ -35,9 +35,10 @@ class Harness:
         self.reference = load_torch_model(source, attention="eager")
         self.tokenizer = load_hf_tokenizer(source.path)
 
-    def run(self, graph=None, decode: bool = True, lengths=None, wide: bool = True) -> dict:
-        """Measure the engine's own graph, or `graph` (an emulation model) in its place. `wide`: also the
-        random-id and batch-8 shapes (`measure.wide_shapes`), not only the real-text cases."""
+    def run(self, graph=None, decode: bool = True, lengths=None, wide: bool = True, backend=None) -> dict:
+        """Measure the engine's own graph on ONNX Runtime, or `graph` (an emulation model) in its place, or the
+        engine on `backend` (another backend of it, which the caller closes). `wide`: also the random-id and
+        batch-8 shapes (`measure.wide_shapes`), not only the real-text cases."""
         from trtserve.precision.measure import failures
         from trtserve.runtime.ort import OrtBackend
 
@@ -48,13 +49,14 @@ class Harness:
 
                 path = Path(scratch) / "emulation.onnx"
                 onnx.save(graph, str(path))
-            backend = OrtBackend(self.engine, graph=path)
+            measured = backend or OrtBackend(self.engine, graph=path)
             kwargs = {"wide": wide, "grid": self.grid_shapes if wide else ()}
             if self.kind == "decoder":
                 kwargs["decode"] = decode
-            report = self.report_fn(backend, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
+            report = self.report_fn(measured, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
                                     **kwargs)
-            backend.close()
+            if backend is None:
+                measured.close()
         report["failures"] = failures(report, self.target)
         report["passed"] = not report["failures"]
         return report
@@ -85,19 +87,39 @@ def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, h
     policy = policy_from_manifest(engine.manifest.precision)
     harness = harness or Harness(engine, source, target, calibration)
     harness.engine = engine  # the complete engine (a search may have run on a partial manifest)
-    runs = ["onnxruntime"] + (["fp16_emulation"] if policy.anchors else [])
+    openvino = engine.manifest.openvino
+    openvino = openvino.inference_precision if openvino else None
+    runs = ["onnxruntime"] + (["fp16_emulation"] if policy.anchors else []) + (["openvino"] if openvino else [])
     result = {"reference": "torch fp32 (transformers, eager attention)", "text": harness.corpus.name,
               "lengths": harness.lengths, "target": asdict(target), "labels": {}}
     for name in runs:
         with step(f"fidelity on {harness.corpus.name}: {name}, lengths {harness.lengths}"):
             if name == "onnxruntime":
                 result[name] = harness.run()
+            elif name == "openvino":
+                result[name] = openvino_run(engine, harness, openvino)
             else:
                 result[name] = harness.emulated(onnx.load(str(fp32_graph)), policy)
-        result["labels"][name] = ORT_LABEL if name == "onnxruntime" else EMULATION_LABEL
+        result["labels"][name] = {"onnxruntime": ORT_LABEL, "fp16_emulation": EMULATION_LABEL}.get(
+            name, openvino_label(openvino))
     result["failures"] = [f"{name}: {f}" for name in runs for f in result[name]["failures"]]
     result["passed"] = not result["failures"]
     return result
+
+
+def openvino_label(precision: str) -> str:
+    return f"openvino (CPU, the portable graph computed in {precision})"
+
+
+def openvino_run(engine, harness: Harness, precision: str) -> dict:
+    """The engine measured on OpenVINO in `precision`."""
+    from trtserve.runtime.openvino import OpenVinoBackend
+
+    backend = OpenVinoBackend(engine, precision=precision)
+    try:
+        return harness.run(backend=backend)
+    finally:
+        backend.close()
 
 
 def _nan_min(values) -> float:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino", "torch")
 
 
 def runtime_for(engine) -> tuple[str, str]:
     """(backend, why) that `auto` picks for an opened engine dir: its TensorRT plan when this
-    machine can run it, else the ONNX Runtime graph (the CPU default that always works)."""
+    machine can run it; else OpenVINO where the build chose it (an encoder measured at the gate and faster
+    there) and the openvino package is installed; else the ONNX Runtime graph (the CPU default that always
+    works)."""
     entry = engine.manifest.tensorrt
     if engine.manifest.parallel_tracks is not None:
         return "onnxruntime", "a track-sharded engine: its ranks run ONNX Runtime"
     if not entry:
-        return "onnxruntime", "the engine has no TensorRT plan"
+        return _cpu_runtime(engine, "the engine has no TensorRT plan")
     from trtserve.runtime.devices import cuda_device_info
     from trtserve.runtime.trt_lib import flavour_of, import_tensorrt
     from trtserve.runtime.trt_plan import refuse_reason
@@ -20,7 +22,20 @@ def runtime_for(engine) -> tuple[str, str]:
     trt, _ = import_tensorrt()
     reason = refuse_reason(entry, flavour_of(trt) if trt else None, getattr(trt, "__version__", None),
                            cuda_device_info(), engine.rebuild)
-    return ("onnxruntime", f"not the TensorRT plan: {reason}") if reason else ("tensorrt", "the plan fits this GPU")
+    if reason:
+        return _cpu_runtime(engine, f"not the TensorRT plan: {reason}")
+    return "tensorrt", "the plan fits this GPU"
+
+
+def _cpu_runtime(engine, why: str) -> tuple[str, str]:
+    from importlib.util import find_spec
+
+    entry = engine.manifest.openvino
+    if not entry or not entry.chosen:
+        return "onnxruntime", why
+    if find_spec("openvino") is None:
+        return "onnxruntime", f"{why}; its OpenVINO part needs the openvino package (pip install 'trtserve[openvino]')"
+    return "openvino", f"{why}; OpenVINO in {entry.inference_precision}, as its build chose: {entry.chosen_because}"
 
 
 def load_backend(engine_dir, backend: str = "onnxruntime", ranks: dict | None = None, **options):
@@ -44,6 +59,10 @@ def load_backend(engine_dir, backend: str = "onnxruntime", ranks: dict | None = 
         from trtserve.runtime.ort import OrtBackend
 
         return OrtBackend(engine, **options)
+    if backend == "openvino":
+        from trtserve.runtime.openvino import OpenVinoBackend
+
+        return OpenVinoBackend(engine, **options)
     if backend == "tensorrt":
         from trtserve.runtime.trt import TrtBackend
 

@@ -34,7 +34,7 @@ RTX_COMPUTE_CAPABILITIES = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
 def choose_backend(requested: str) -> tuple[str, str]:
     """Return (backend, why). `tensorrt` builds a TensorRT plan beside the ONNX Runtime graph."""
-    if requested in ("onnxruntime", "tensorrt"):
+    if requested in ("onnxruntime", "tensorrt", "openvino"):
         return requested, f"requested with --backend {requested}"
     flavour, why_not = tensorrt_flavour()
     devices, no_gpu = cuda_devices()
