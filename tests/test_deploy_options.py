@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from tests.conftest import run_cli
@@ -52,7 +54,12 @@ def test_a_replica_is_one_in_process_worker_with_its_cpus_as_threads():
 
 
 def test_engine_key_on_the_cpu_and_an_empty_mount(tmp_path):
-    assert target_key("onnxruntime") == "onnxruntime"
+    assert target_key("onnxruntime", "onnxruntime") == "onnxruntime"
+    if importlib.util.find_spec("openvino") is not None:  # an encoder's build measures OpenVINO on this CPU
+        assert target_key("onnxruntime", "auto").startswith("onnxruntime-openvino")
+        assert target_key("openvino", "openvino").startswith("openvino") and "-cpu" in target_key("openvino")
+    else:
+        assert target_key("onnxruntime", "auto") == "onnxruntime"
     with pytest.raises(TrtServeError, match="is an empty directory: mount a checkpoint or an engine directory"):
         engine_for(str(tmp_path))
 

@@ -110,8 +110,8 @@ def test_quick_run_report_is_internally_consistent(quick_run):
             assert r["target_misses"] == [] and r["fidelity_positions"] == "every"
     built = json.loads((quick_run / "engines.json").read_text())
     assert set(built) == {"all-MiniLM-L6-v2/fp32", "all-MiniLM-L6-v2/hybrid"}
-    assert built["all-MiniLM-L6-v2/hybrid"]["passed"] and set(built["all-MiniLM-L6-v2/hybrid"]["runs"]) == {
-        "onnxruntime", "fp16_emulation"}
+    runs = set(built["all-MiniLM-L6-v2/hybrid"]["runs"])  # and OpenVINO's, where its build chose it
+    assert built["all-MiniLM-L6-v2/hybrid"]["passed"] and runs - {"openvino"} == {"onnxruntime", "fp16_emulation"}
     assert built["all-MiniLM-L6-v2/hybrid"]["sentences"]["onnxruntime"]["neighbours"] >= 0.95
     assert built["all-MiniLM-L6-v2/hybrid"]["resident_mb"] > 10  # its build's fresh-process figure (Linux)
     # each engine's gate held it to every shape the grid runs: MiniLM, batch 1 and 4, 32 and 64 tokens, 2 inputs

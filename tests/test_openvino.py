@@ -35,6 +35,21 @@ def test_auto_serves_openvino_only_where_it_met_the_target_and_is_faster():
     assert _choose([slow_big], True, {})[:2] == ("f32", True)  # requested: served wherever it met the target
     kept, chosen, why = _choose([missed], False, {"f32": "not native on this CPU"})
     assert (kept, chosen) == (None, False) and "cosine 0.99" in why and "f32: not native" in why
+    # the fastest precision that qualifies, not the fastest one: bf16 is slower at batch 1, f32 qualifies
+    bf16 = {"precision": "bf16", "passed": True, "ms": _ms(b1=(10.0, 11.0), b8=(100.0, 50.0))}
+    f32 = {"precision": "f32", "passed": True, "ms": _ms(b1=(10.0, 9.0), b8=(100.0, 80.0))}
+    assert _choose([bf16, f32], False, {})[:2] == ("f32", True)
+
+
+def test_a_precision_this_cpu_does_not_compute_natively_is_not_served(monkeypatch):
+    pytest.importorskip("openvino", reason="needs openvino (pip install 'trtserve[openvino]')")
+    from types import SimpleNamespace
+
+    import trtserve.runtime.openvino as ov_runtime
+
+    monkeypatch.setattr(ov_runtime, "cpu_precisions", lambda core: ("f32",))
+    assert "does not compute bf16 natively" in ov_runtime.unservable(SimpleNamespace(inference_precision="bf16"))
+    assert ov_runtime.unservable(SimpleNamespace(inference_precision="f32")) is None
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +118,20 @@ def test_the_engine_records_what_openvino_computed_and_auto_serves_it(tiny_bert)
 
 
 @pytest.mark.models
+def test_where_openvino_cannot_load_the_engine_auto_serves_onnx_runtime(tiny_bert, monkeypatch):
+    import trtserve.runtime.openvino as ov_runtime
+    from trtserve.runtime import load_backend
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("Exception from src/inference/src/core.cpp: unsupported operation")
+
+    monkeypatch.setattr(ov_runtime.OpenVinoBackend, "__init__", broken)
+    backend = load_backend(tiny_bert[0], "auto", threads=1)
+    assert backend.name == "onnxruntime"
+    backend.close()
+
+
+@pytest.mark.models
 def test_the_server_answers_with_openvinos_vectors(tiny_bert):
     from trtserve.runtime import load_backend
     from trtserve.runtime.text import TextEngine
@@ -117,6 +146,8 @@ def test_the_server_answers_with_openvinos_vectors(tiny_bert):
     assert vectors.shape == expected.shape and np.abs(vectors - expected).max() < 1e-4
     bad = httpx.post(f"{url}/v1/embeddings", json={"model": name, "input": [""] * 3 + [7]}, timeout=30)
     assert bad.status_code == 400 and "input" in bad.text
+    meta = httpx.get(f"{url}/v2/models/{name}", timeout=10)
+    assert meta.status_code == 200 and meta.json()["platform"] == "openvino"  # what serves it, by KServe's name
 
 
 @pytest.mark.models

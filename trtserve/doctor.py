@@ -14,6 +14,12 @@ def _version(module: str) -> tuple[str | None, str]:
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
+def _openvino_why() -> str:
+    from trtserve.runtime.openvino import cpu_precisions, import_openvino
+
+    return f"CPU precisions: {', '.join(cpu_precisions(import_openvino().Core()))}"
+
+
 def report() -> dict:
     from trtserve import __version__
     from trtserve.runtime.devices import RTX_COMPUTE_CAPABILITIES, cuda_device_info, cuda_devices
@@ -56,6 +62,12 @@ def report() -> dict:
         rtx_why = ""
     backends.append({"name": "tensorrt_rtx", "version": rtx, "build": bool(rtx), "run": bool(rtx and supported),
                      "why": rtx_why})
+
+    openvino, why = _version("openvino")
+    openvino = openvino and openvino.split("-")[0]  # 2026.4.1, not the build string after it
+    backends.append({"name": "openvino (encoders)", "version": openvino, "build": bool(openvino),
+                     "run": bool(openvino), "why": _openvino_why() if openvino else
+                     f"{why}: pip install 'trtserve[openvino]'"})
 
     cuda_python, why = _version("cuda.bindings")
     backends.append({"name": "cuda-bindings (device buffers)", "version": cuda_python, "build": False,

@@ -2,7 +2,9 @@
 
 A built engine is keyed by the checkpoint's content (a changed checkpoint gets a new engine, never
 the old one) and by its target, since a TensorRT plan is tied to the GPU model and the TensorRT
-version that built it: `<model>-<content hash>-<precision>-onnxruntime-b<builder>` on the CPU,
+version that built it: `<model>-<content hash>-<precision>-onnxruntime-b<builder>` on the CPU
+(`...-onnxruntime-openvino<version>-cpu<hash>-...` where OpenVINO is installed, which an encoder's build measures
+on this CPU; `...-openvino<version>-cpu<hash>-...` with --backend openvino),
 `<model>-<content hash>-<precision>-<flavour><version>-<gpu>-sm<cc>-b<builder>` on a GPU, where
 `<builder>` is a digest of the builder's sources (fileio.build_code_digest). Several processes starting at once on one volume (replicas,
 containers) take a lock so that one builds and the others reuse its result.
@@ -17,8 +19,19 @@ from pathlib import Path
 from trtserve.errors import TrtServeError
 
 
-def target_key(backend: str) -> str:
-    """What an engine built here by `backend` is tied to, as a directory-name fragment."""
+def target_key(backend: str, requested: str = "auto") -> str:
+    """What an engine built here by `backend` (`requested` resolved) is tied to, as a directory-name fragment.
+    An encoder's OpenVINO part, measured under auto where the package is installed or with --backend openvino,
+    is tied to the OpenVINO version and this CPU (its precisions and timings are this CPU's)."""
+    if backend == "openvino" or (backend == "onnxruntime" and requested == "auto" and _has_openvino()):
+        from importlib.metadata import version
+
+        from hashlib import sha256
+
+        from trtserve.engine_builder.openvino import cpu_description
+
+        cpu = sha256(cpu_description().encode()).hexdigest()[:8]
+        return f"{'openvino' if backend == 'openvino' else 'onnxruntime-openvino'}{version('openvino')}-cpu{cpu}"
     if backend != "tensorrt":
         return "onnxruntime"
     from trtserve.runtime.devices import cuda_device_info
@@ -28,6 +41,12 @@ def target_key(backend: str) -> str:
     devices = cuda_device_info()
     gpu = f"{_slug(devices[0]['name'])}-sm{devices[0]['compute_capability'].replace('.', '')}" if devices else "nogpu"
     return f"{flavour.replace('_', '-')}{trt.__version__}-{gpu}"
+
+
+def _has_openvino() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("openvino") is not None
 
 
 def content_key(model: str) -> str:
@@ -70,7 +89,7 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     from trtserve.fileio import build_code_digest, build_once
 
     # the builder's code too: an upgraded trtserve builds its own engine instead of serving an older build's
-    target = root / (f"{Path(model).name}-{content_key(model)}-{precision}-{target_key(chosen)}"
+    target = root / (f"{Path(model).name}-{content_key(model)}-{precision}-{target_key(chosen, backend)}"
                      f"-b{build_code_digest()[:8]}")
 
     def reuse(path: Path):
@@ -82,7 +101,9 @@ def engine_for(model: str, precision: str = "fp32", backend: str = "auto", root:
     def build():
         print(f"building the {precision} engine of {model} for this machine into {target} (once; {why})",
               file=sys.stderr)
-        return build_engine(BuildConfig(model=model, out=target, precision=precision, backend=chosen))
+        # auto stays auto on the CPU: an encoder's build then measures OpenVINO too (engine_builder/openvino.py)
+        build_backend = backend if (backend, chosen) == ("auto", "onnxruntime") else chosen
+        return build_engine(BuildConfig(model=model, out=target, precision=precision, backend=build_backend))
 
     return build_once(target, reuse, build).path
 

@@ -99,7 +99,8 @@ def _build_tracks(cfg: BuildConfig) -> engine_dir.EngineDir:
         raise TrtServeError("--calibration is not taken for a parallel-track checkpoint: its engines are "
                             "measured on the held-out part of the text it was trained on")
     given = [flag for flag, value in (("--confirm-grid", cfg.confirm_grid), ("--max-seq", cfg.max_seq),
-                                      ("--backend tensorrt", cfg.backend == "tensorrt")) if value]
+                                      ("--backend tensorrt", cfg.backend == "tensorrt"),
+                                      ("--backend openvino", cfg.backend == "openvino")) if value]
     if given:
         raise TrtServeError(f"{', '.join(given)} is not taken for a parallel-track checkpoint: its engines run on "
                             "ONNX Runtime over the model's whole context, measured on its held-out text")
@@ -265,7 +266,7 @@ def _openvino_step(d: _Draft) -> dict:
     from trtserve.engine_builder.openvino import measure_openvino
     from trtserve.precision.run import openvino_label
 
-    part, report = measure_openvino(d.engine(), d.harness, requested)
+    part, report = measure_openvino(d.engine(), d.harness, requested, d.cfg.allow_low_fidelity)
     if report is not None:
         d.report = dict(d.report, openvino=report,
                         labels=dict(d.report.get("labels") or {}, openvino=openvino_label(part["inference_precision"])))

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from trtserve.progress import step
+from trtserve.progress import say, step
 
 LENGTHS = (32, 128, 512)
 ORT_LABEL = "onnxruntime (CPU, as served: fp16 nodes computed in fp32)"
@@ -87,8 +87,7 @@ def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, h
     policy = policy_from_manifest(engine.manifest.precision)
     harness = harness or Harness(engine, source, target, calibration)
     harness.engine = engine  # the complete engine (a search may have run on a partial manifest)
-    openvino = engine.manifest.openvino
-    openvino = openvino.inference_precision if openvino else None
+    openvino = _served_openvino(engine)
     runs = ["onnxruntime"] + (["fp16_emulation"] if policy.anchors else []) + (["openvino"] if openvino else [])
     result = {"reference": "torch fp32 (transformers, eager attention)", "text": harness.corpus.name,
               "lengths": harness.lengths, "target": asdict(target), "labels": {}}
@@ -105,6 +104,21 @@ def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, h
     result["failures"] = [f"{name}: {f}" for name in runs for f in result[name]["failures"]]
     result["passed"] = not result["failures"]
     return result
+
+
+def _served_openvino(engine) -> str | None:
+    """The OpenVINO precision `auto` serves this engine in here, or None (none chosen, or it cannot run here:
+    then only what serves it is measured, and the step says why)."""
+    entry = engine.manifest.openvino
+    if not entry or not entry.chosen:
+        return None
+    from trtserve.runtime.openvino import unservable
+
+    reason = unservable(entry)
+    if reason:
+        say(f"fidelity: its OpenVINO part is not measured: {reason}")
+        return None
+    return entry.inference_precision
 
 
 def openvino_label(precision: str) -> str:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino", "torch")
 
 
@@ -28,13 +32,14 @@ def runtime_for(engine) -> tuple[str, str]:
 
 
 def _cpu_runtime(engine, why: str) -> tuple[str, str]:
-    from importlib.util import find_spec
-
     entry = engine.manifest.openvino
     if not entry or not entry.chosen:
         return "onnxruntime", why
-    if find_spec("openvino") is None:
-        return "onnxruntime", f"{why}; its OpenVINO part needs the openvino package (pip install 'trtserve[openvino]')"
+    from trtserve.runtime.openvino import unservable
+
+    reason = unservable(entry)
+    if reason:
+        return "onnxruntime", f"{why}; not its OpenVINO part: {reason}"
     return "openvino", f"{why}; OpenVINO in {entry.inference_precision}, as its build chose: {entry.chosen_because}"
 
 
@@ -55,6 +60,14 @@ def load_backend(engine_dir, backend: str = "onnxruntime", ranks: dict | None = 
         backend, _ = runtime_for(engine)
         if backend == "tensorrt":
             options.pop("threads", None)
+        if backend == "openvino":  # the build's choice; where OpenVINO cannot load it here, the CPU default
+            from trtserve.runtime.openvino import OpenVinoBackend
+
+            try:
+                return OpenVinoBackend(engine, **options)
+            except Exception as exc:  # noqa: BLE001  (any failure of the optional backend: ONNX Runtime serves)
+                log.warning("engine %s: OpenVINO could not load it (%s); ONNX Runtime serves it", engine.path, exc)
+                backend = "onnxruntime"
     if backend == "onnxruntime":
         from trtserve.runtime.ort import OrtBackend
 

@@ -32,12 +32,26 @@ def cpu_precisions(core) -> tuple[str, ...]:
     return tuple(p for p in PRECISIONS if p == "f32" or p.upper() in capabilities)
 
 
+def unservable(entry) -> str | None:
+    """Why an engine's kept OpenVINO precision cannot run here (the package missing, or a precision this CPU
+    does not compute natively), or None."""
+    from importlib.util import find_spec
+
+    if find_spec("openvino") is None:
+        return "the openvino package is not installed (pip install 'trtserve[openvino]')"
+    native = cpu_precisions(import_openvino().Core())
+    if entry.inference_precision not in native:
+        return f"this CPU does not compute {entry.inference_precision} natively (it does {', '.join(native)})"
+    return None
+
+
 def compile_graph(core, graph, precision: str, threads: int):
     """The portable graph compiled for the CPU: one stream, `threads` threads, `precision` ("bf16" or "f32")
-    for every op OpenVINO runs in that precision; what it compiled to is checked, never assumed."""
+    for every op OpenVINO runs in that precision; what it compiled to is checked, never assumed. Threads are not
+    pinned: several workers of one server share the machine's cores as the server places them."""
     compiled = core.compile_model(core.read_model(str(graph)), "CPU", {
         "INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1,
-        "PERFORMANCE_HINT": "LATENCY"})
+        "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False})
     got = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
     expected = {"bf16": "bfloat16", "f32": "float32"}[precision]
     if expected not in got:

@@ -148,8 +148,7 @@ for _path, _handler, _method in ((PREFIX + "/models/{name}", model_metadata, "GE
 
 
 def metadata(name: str, service) -> dict:
-    backend = service.manifest.backend  # track-sharded engines have none of their own
-    platform = "tensorrt_plan" if backend and backend.name == "tensorrt" else "onnxruntime_onnx"
+    platform = {"tensorrt": "tensorrt_plan", "openvino": "openvino"}.get(service.served_by[0], "onnxruntime_onnx")
 
     def described(tensors):
         return [{"name": t.name, "datatype": V2_NAMES.get(t.dtype, t.dtype.upper()),

@@ -6,6 +6,7 @@ EmbeddingService (server/embeddings.py), ScoreService (server/scoring.py) and Ge
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -32,16 +33,22 @@ class Service:
         self.model_id = cfg.served_model_name or self.manifest.model.id
         self.created = int(time.time())
 
+    @functools.cached_property
+    def served_by(self) -> tuple[str, str]:
+        """(backend, why) that its workers load (runtime.runtime_for)."""
+        from trtserve.runtime import runtime_for
+
+        return runtime_for(self.engine)
+
     def worker_pool(self, generation: dict | None = None, ranks: dict | None = None):
         """Worker processes (or the in-process worker) for this engine, placed on this machine; `ranks`: a
         track-sharded engine's rank options, served by one worker."""
-        from trtserve.runtime import runtime_for
         from trtserve.server.workers import WorkerPool
 
         count, devices, threads, why = placement(self.cfg.workers, self.cfg.threads)
         if ranks is not None:
             count = min(count, 1)
-        log.info("workers: %s; backend: %s (%s)", why, *runtime_for(self.engine))
+        log.info("workers: %s; backend: %s (%s)", why, *self.served_by)
         return WorkerPool(str(self.engine.path), count, devices, threads, self.metrics, generation=generation,
                           deadline=self.cfg.worker_timeout, heartbeat=self.cfg.heartbeat_timeout, ranks=ranks)
 
