@@ -1,6 +1,6 @@
 """Expected size of the CPU image's /opt/trtserve layer, from the packages installed in this environment.
 
-The image installs `trtserve[export,serve]` (torch from the CPU index) and the two bundled model
+The image installs `trtserve[export,serve,openvino]` (torch from the CPU index) and the two bundled model
 wheels; this sums the installed files of that dependency closure as found here, largest first.
 Run: .venv/bin/python scripts/image_sizes.py [--extras serve]   (the image's EXTRAS build argument)
 """
@@ -56,7 +56,7 @@ def installed_bytes(dist: metadata.Distribution) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--extras", default="export,serve", help="trtserve extras the image installs")
+    parser.add_argument("--extras", default="export,serve,openvino", help="trtserve extras the image installs")
     extras = set(parser.parse_args().extras.split(","))
     roots = [("trtserve", extras)] + MODELS
     sizes = sorted(((installed_bytes(d), name) for name, d in closure(roots).items()), reverse=True)

@@ -492,7 +492,7 @@ def _same_lowerings(main: Path, kv: Path) -> None:
     """Give the decode graph the optimized graph's ONNX-Runtime-only lowerings: each MatMulNBits node's accuracy
     level and residual rows (nodes keep their names through the lowering) and GatherBlockQuantized tables."""
     from trtserve.engine_builder.activation_residual import add_residual_rows, residual_gemms
-    from trtserve.engine_builder.onnxruntime import _gather_block_quantized
+    from trtserve.engine_builder.onnxruntime import _gather_block_quantized, set_accuracy_level
 
     main_model = onnx.load(str(main), load_external_data=False)
     nodes = main_model.graph.node
@@ -501,9 +501,7 @@ def _same_lowerings(main: Path, kv: Path) -> None:
     model = onnx.load(str(kv))
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and levels.get(node.name) is not None:
-            kept = [a for a in node.attribute if a.name != "accuracy_level"]
-            del node.attribute[:]
-            node.attribute.extend(kept + [helper.make_attribute("accuracy_level", levels[node.name])])
+            set_accuracy_level(node, levels[node.name])
     add_residual_rows(model, residual_gemms(main_model))
     if gathers:
         _gather_block_quantized(model)

@@ -168,6 +168,15 @@ def resident_mb(graph: Path) -> float | None:
     return round(int(done.stdout.strip()) / 1e6, 1) if done.returncode == 0 and done.stdout.strip() else None
 
 
+def set_accuracy_level(node, level: int) -> None:
+    """Set a MatMulNBits node's accuracy_level attribute (replacing any it has)."""
+    import onnx
+
+    kept = [a for a in node.attribute if a.name != "accuracy_level"]
+    del node.attribute[:]
+    node.attribute.extend(kept + [onnx.helper.make_attribute("accuracy_level", level)])
+
+
 def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = frozenset()) -> dict:
     """ONNX-Runtime-only lowerings of blocked weights in the optimized graph: each MatMulNBits node's
     accuracy level, the residual rows of those in `residual`, and GatherBlockQuantized for an embedding read
@@ -187,9 +196,7 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
         if node.op_type != "MatMulNBits":
             continue
         level = INT8_ACTIVATIONS if node.name in int8 | with_residual else FLOAT_ACTIVATIONS
-        attributes = [a for a in node.attribute if a.name != "accuracy_level"]
-        del node.attribute[:]
-        node.attribute.extend(attributes + [onnx.helper.make_attribute("accuracy_level", level)])
+        set_accuracy_level(node, level)
         key = f"{level}+residual" if node.name in with_residual else str(level)
         counts[key] = counts.get(key, 0) + 1
     add_residual_rows(model, with_residual)
