@@ -1,12 +1,12 @@
-"""OpenVINO as a second CPU engine for the same graph: one batch-1 decode step of an engine's portable graph
+"""OpenVINO on a decoder's graph: one decode step (batch 1, or `--batch` rows) of an engine's portable graph
 (`model.onnx`, the cache passed in and out) in OpenVINO (f32 or bf16, with or without its dynamic quantization
-of activations), against ONNX
-Runtime's optimized graph of the same engine (`model.ort.onnx`, the same inputs), taking turns, medians; and how
-far OpenVINO's logits are from ONNX Runtime's (the relative max difference and top-1 agreement over the past
-positions' next tokens). A probe of what a `--backend openvino` would gain, not a backend.
+of activations), against ONNX Runtime's optimized graph of the same engine (`model.ort.onnx`, the same inputs),
+taking turns, medians; and how far OpenVINO's logits are from ONNX Runtime's (the relative max difference and
+top-1 agreement over the past positions' next tokens). What a decoder on OpenVINO would gain: the backend
+(runtime/openvino.py) serves encoders only.
 
-    .venv/bin/pip install openvino   # benchmark-only, never a dependency of trtserve
-    .venv/bin/python benchmarks/probe_openvino.py --engine DIR [--engine DIR ...] [--past 128] [--rounds 5]
+    .venv/bin/python benchmarks/probe_openvino.py --engine DIR [--engine DIR ...] [--past 128] [--batch 1]
+        [--rounds 5]   (openvino: pip install 'trtserve[openvino]')
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ VARIANTS = {
 
 def feeds(names: list[str], ids: np.ndarray, past: int, kv_shape: tuple[int, int]) -> dict:
     heads, dim = kv_shape
-    out = {"input_ids": ids, "attention_mask": np.ones((1, past + ids.shape[1]), np.int64),
-           "position_ids": np.arange(past, past + ids.shape[1], dtype=np.int64)[None],
-           "logit_positions": np.array([ids.shape[1] - 1], np.int64)}
+    rows, length = ids.shape
+    out = {"input_ids": ids, "attention_mask": np.ones((rows, past + length), np.int64),
+           "position_ids": np.repeat(np.arange(past, past + length, dtype=np.int64)[None], rows, 0),
+           "logit_positions": np.array([length - 1], np.int64)}
     rng = np.random.default_rng(1)
     for name in names:
         if name.startswith("past_key_values."):
-            out[name] = rng.standard_normal((1, heads, past, dim)).astype(np.float32) * 0.5
+            out[name] = rng.standard_normal((rows, heads, past, dim)).astype(np.float32) * 0.5
     return {k: v for k, v in out.items() if k in names}
 
 
@@ -52,12 +53,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", action="append", required=True)
     parser.add_argument("--past", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded in one step")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     core = ov.Core()
-    print(f"OpenVINO {ov.__version__}, ONNX Runtime {ort.__version__}; batch 1, past {args.past}, {args.threads} "
+    print(f"OpenVINO {ov.__version__}, ONNX Runtime {ort.__version__}; batch {args.batch}, past {args.past}, {args.threads} "
           f"threads, median of {args.rounds} rounds x {args.steps} steps; CPU {core.get_property('CPU', 'FULL_DEVICE_NAME')}")
     print("| engine | runtime | ms/step | vs ONNX Runtime | logits: max difference / largest | next-token top-1 vs ONNX Runtime |")
     print("|---|---|---:|---:|---:|---:|")
@@ -69,7 +71,8 @@ def main() -> None:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         session = ort.InferenceSession(str(engine.file("model.ort.onnx")), options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
-        step = feeds(names, np.array([[1234]], np.int64), args.past, (arch.num_kv_heads, arch.head_dim))
+        step = feeds(names, np.arange(1234, 1234 + args.batch, dtype=np.int64)[:, None], args.past,
+                     (arch.num_kv_heads, arch.head_dim))
         prompt = feeds(names, np.random.default_rng(2).integers(1000, 40000, (1, 64)), 0, (arch.num_kv_heads, arch.head_dim))
         prompt["logit_positions"] = np.arange(64, dtype=np.int64)
         runs = {"onnxruntime": lambda f, s=session: s.run(["logits"], f)[0]}
