@@ -1,10 +1,8 @@
 """Where a batch-1 decode step of an engine's decode graph spends its time: kernel time per op type from
 ONNX Runtime's profiler (a separate run: the profiler itself slows small nodes), then, for a graph with
 block minima (int4 from fp32 checkpoints, gguf's Q4_1), the step timed against a copy with the minimum's
-exact share removed (block sums, the small GEMM and its Add; that copy's output is wrong: timing only), and
-against a copy computing its block sums as a Reshape and a ReduceSum (the form before they became one MatMul
-against a 0/1 block indicator; the same output). The graphs take turns; medians of `--steps` steps per round
-over `--rounds` rounds, random ids.
+exact share removed (block sums, the small GEMM and its Add; that copy's output is wrong: timing only).
+The two graphs take turns; medians of `--steps` steps per round over `--rounds` rounds, random ids.
 
     .venv/bin/python benchmarks/probe_decode_ops.py --engine engines/smollm2-int4 [--past 128]
 """
@@ -80,36 +78,6 @@ def without_minimum(graph: Path, out: Path) -> int:
     return bypassed
 
 
-def with_reduced_block_sums(graph: Path, out: Path) -> int:
-    """A copy of `graph` whose block sums (MatMul against `block_indicator.K`) are Reshape [.., K/32, 32] and
-    ReduceSum over the last axis instead; returns how many were rewritten."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    from trtserve.engine_builder.onnxruntime import weight_files
-
-    model = onnx.load(str(graph), load_external_data=False)
-    inits = {i.name: i for i in model.graph.initializer}
-    nodes, added = [], {}
-    for node in model.graph.node:
-        if node.op_type == "MatMul" and node.input[1].startswith("block_indicator."):
-            blocks = inits[node.input[1]].dims[1]
-            shape, axes = f"{node.name}.blocks.shape", f"{node.name}.blocks.axes"
-            added[shape] = numpy_helper.from_array(np.array([0, 0, blocks, 32], np.int64), shape)  # x: [B, S, K]
-            added[axes] = numpy_helper.from_array(np.array([-1], np.int64), axes)
-            nodes += [helper.make_node("Reshape", [node.input[0], shape], [f"{node.name}.blocks"]),
-                      helper.make_node("ReduceSum", [f"{node.name}.blocks", axes], list(node.output), keepdims=0)]
-        else:
-            nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(added.values())
-    for name in weight_files(graph):
-        shutil.copyfile(graph.parent / name, out.parent / name)
-    onnx.save(model, str(out))
-    return len(added) // 2
-
-
 def main() -> None:
     from bench_kv_steps import slot_steps
 
@@ -135,16 +103,13 @@ def main() -> None:
     for op, value in sorted(ms.items(), key=lambda kv: -kv[1]):
         print(f"| {op} | {value:.3f} | {value / total:.1%} | {count[op]} |")
     with tempfile.TemporaryDirectory() as tmp:
-        copy, reduced = Path(tmp) / "without" / graph.name, Path(tmp) / "reduced" / graph.name
-        copy.parent.mkdir(), reduced.parent.mkdir()
+        copy = Path(tmp) / graph.name
         if not without_minimum(graph, copy):
             return print("no block minima in this graph: nothing to compare")
         sessions = {"as built": session(graph, args.threads), "without the minimum (wrong output)": session(copy, args.threads)}
-        if with_reduced_block_sums(graph, reduced):
-            sessions["block sums as Reshape + ReduceSum (same output)"] = session(reduced, args.threads)
         steps = {name: [] for name in sessions}
         for r in range(args.rounds):
-            for name, s in (sessions.items() if r % 2 == 0 else list(sessions.items())[::-1]):
+            for name, s in sessions.items():
                 times = slot_steps(KVSlots(engine, 1, args.threads, session=s), args.past, args.steps,
                                    np.random.default_rng(r))
                 steps[name].append(statistics.median(times))
