@@ -23,10 +23,11 @@ def target_key(backend: str, requested: str = "auto") -> str:
     """What an engine built here by `backend` (`requested` resolved) is tied to, as a directory-name fragment.
     An encoder's OpenVINO part, measured under auto where the package is installed or with --backend openvino,
     is tied to the OpenVINO version and this CPU (its precisions and timings are this CPU's)."""
-    if backend == "openvino" or (backend == "onnxruntime" and requested == "auto" and _has_openvino()):
-        from importlib.metadata import version
+    from trtserve.runtime.openvino import installed
 
+    if backend == "openvino" or (backend == "onnxruntime" and requested == "auto" and installed()):
         from hashlib import sha256
+        from importlib.metadata import version
 
         from trtserve.engine_builder.openvino import cpu_description
 
@@ -41,12 +42,6 @@ def target_key(backend: str, requested: str = "auto") -> str:
     devices = cuda_device_info()
     gpu = f"{_slug(devices[0]['name'])}-sm{devices[0]['compute_capability'].replace('.', '')}" if devices else "nogpu"
     return f"{flavour.replace('_', '-')}{trt.__version__}-{gpu}"
-
-
-def _has_openvino() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("openvino") is not None
 
 
 def content_key(model: str) -> str:

@@ -253,14 +253,12 @@ def _tensorrt_step(d: _Draft) -> dict:
 def _openvino_step(d: _Draft) -> dict:
     """An encoder's or cross-encoder's OpenVINO part (engine_builder/openvino.py): with --backend openvino, or
     under auto where the openvino package is installed and no TensorRT plan is built."""
-    from importlib.util import find_spec
-
-    from trtserve.runtime.openvino import KINDS
+    from trtserve.runtime.openvino import KINDS, installed
 
     requested = d.backend == "openvino"
     if d.source.info.kind not in KINDS or not (requested or (d.cfg.backend == "auto" and d.backend == "onnxruntime")):
         return {}
-    if not requested and find_spec("openvino") is None:
+    if not requested and not installed():
         say("openvino: not measured, the openvino package is not installed (pip install 'trtserve[openvino]')")
         return {}
     from trtserve.engine_builder.openvino import measure_openvino

@@ -32,12 +32,17 @@ def cpu_precisions(core) -> tuple[str, ...]:
     return tuple(p for p in PRECISIONS if p == "f32" or p.upper() in capabilities)
 
 
+def installed() -> bool:
+    """Whether the openvino package is importable here (without importing it)."""
+    from importlib.util import find_spec
+
+    return find_spec("openvino") is not None
+
+
 def unservable(entry) -> str | None:
     """Why an engine's kept OpenVINO precision cannot run here (the package missing, or a precision this CPU
     does not compute natively), or None."""
-    from importlib.util import find_spec
-
-    if find_spec("openvino") is None:
+    if not installed():
         return "the openvino package is not installed (pip install 'trtserve[openvino]')"
     native = cpu_precisions(import_openvino().Core())
     if entry.inference_precision not in native:
