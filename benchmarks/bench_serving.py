@@ -6,7 +6,7 @@ back to back); the order of the servers is reversed for every other shape.
 
     .venv/bin/python benchmarks/bench_serving.py --engine fp32=engines/smollm2 [--engine int4=DIR ...]
         [--llama-server [BINARY]] [--concurrency 1 8 32] [--shape 128/64 512/128] [--seconds 60]
-        [--threads 2] [--max-num-seqs 32] [--out DIR]
+        [--threads 2] [--max-num-seqs 32] [--server-args NAME="--max-prefill-tokens 256"] [--out DIR]
 
 The peers are not dependencies: guidellm comes from benchmarks/setup_guidellm.sh (a venv of its own) and
 llama-server from benchmarks/setup_llama_server.sh. guidellm's figures, as it defines them: output tok/s over
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,9 @@ def main() -> None:
                         help="each concurrency's run; its first 5 s are a warm-up, not counted")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=32, help="trtserve's; llama-server gets as many slots")
+    parser.add_argument("--server-args", action="append", default=[], metavar="NAME=ARGS",
+                        help="more `trtserve serve` flags for the engine NAME (one string; the same engine directory "
+                             "may be given twice under two names to compare flags)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-serving-")))
     args = parser.parse_args()
 
@@ -94,12 +98,16 @@ def main() -> None:
     source = resolve(MODEL)
     binary = args.guidellm or peers() / "guidellm-venv" / "bin" / "guidellm"
     shapes = [tuple(int(x) for x in s.split("/")) for s in args.shape]
+    extra = {name: shlex.split(flags) for name, _, flags in (a.partition("=") for a in args.server_args)}
+    names = [spec.partition("=")[0] for spec in args.engine]
+    if set(extra) - set(names):
+        parser.error(f"--server-args for an engine not given: {', '.join(sorted(set(extra) - set(names)))}")
     servers, procs = {}, []
     try:
         for spec in args.engine:
             name, _, engine = spec.partition("=")
             proc, url = start_server(engine, "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-                                     "--max-queue", "1024", "--request-timeout", "600")
+                                     "--max-queue", "1024", "--request-timeout", "600", *extra.get(name, []))
             procs.append((proc, stop_server))
             servers[f"trtserve {name}"] = url
         if args.llama_server is not None:

@@ -74,6 +74,46 @@ def test_every_layer_becomes_one_attention_node_and_the_build_check_passes(tiny)
     assert "attention_mask" not in {i.name for i in graph.input}
 
 
+def test_a_query_key_value_product_split_three_ways_is_read_whole(tiny, tmp_path):
+    """Quantized weights reach the lowering as one product split in three (precision.blocked fuses GEMMs that
+    share their input): the attention reads the product packed, and the Split goes."""
+    from trtserve.engine_builder.onnxruntime import build_ort
+    from trtserve.precision.blocked import weight_rows
+
+    model = onnx.load(str(tiny.file("model.onnx")))
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    by_input = {}
+    for node in graph.node:
+        rows = weight_rows(node.input[1], inits, producers)[0] if node.op_type == "MatMul" else None
+        if rows is not None:
+            by_input.setdefault(node.input[0], []).append((node, rows))
+    groups = [g for g in by_input.values() if len(g) == 3]  # each layer's query, key and value
+    assert len(groups) == 2
+    for layer, group in enumerate(groups):
+        joined = np.concatenate([rows for _, rows in group]).T.copy()
+        graph.initializer.append(onnx.numpy_helper.from_array(joined, f"qkv{layer}"))
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array([r.shape[0] for _, r in group]), f"sizes{layer}"))
+        first = group[0][0]
+        at = list(graph.node).index(first)
+        graph.node.insert(at, onnx.helper.make_node("Split", [f"joined{layer}", f"sizes{layer}"],
+                                                    [n.output[0] for n, _ in group], axis=-1))
+        graph.node.insert(at, onnx.helper.make_node("MatMul", [first.input[0], f"qkv{layer}"], [f"joined{layer}"]))
+        for node, _ in group:
+            graph.node.remove(node)
+    engine_dir = tmp_path / "engine"
+    engine_dir.mkdir()
+    onnx.save(model, str(engine_dir / "model.onnx"))
+    manifest = {**tiny.manifest.model_dump(mode="json"), "backend": build_ort(engine_dir / "model.onnx", engine_dir)}
+    entry = build_kv(engine_dir, manifest)
+    assert entry["file"] == KV_GRAPH and entry["check"]["max_relative_difference"] < 1e-4, entry
+    lowered = onnx.load(str(engine_dir / KV_GRAPH)).graph
+    assert "Split" not in {n.op_type for n in lowered.node}
+    attentions = [n for n in lowered.node if n.op_type == "GroupQueryAttention"]
+    assert len(attentions) == 2 and all(list(n.input[1:3]) == ["", ""] for n in attentions)
+
+
 def test_a_graph_without_the_pattern_is_refused_with_the_reason(tiny):
     model = onnx.load(str(tiny.file("model.onnx")))
     softmax = next(n for n in model.graph.node if n.op_type == "Softmax")

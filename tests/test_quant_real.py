@@ -65,6 +65,11 @@ def test_smollm2_int4_meets_the_int4_target(smollm2_int4):
     assert manifest["backend"]["int8_activations"]
     kv = manifest["backend"]["kv_graph"]  # checked against the optimized graph with fp32 activations in both
     assert kv["file"] == "model.kv.onnx" and kv["check"]["max_relative_difference"] < 1e-4, kv
+    import onnx
+
+    attentions = [n for n in onnx.load(str(out / "model.kv.onnx"), load_external_data=False).graph.node
+                  if n.op_type == "GroupQueryAttention"]  # each reads its layer's fused q/k/v product whole
+    assert len(attentions) == 30 and all(list(n.input[1:3]) == ["", ""] for n in attentions)
     if "residual" in manifest["backend"]["int8_activations"]:
         assert kv["check"]["activations"].startswith("fp32")
 

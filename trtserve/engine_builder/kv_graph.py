@@ -238,8 +238,14 @@ def _soft_cap(g: _Graph, scores: str, what: str) -> tuple[str, float]:
 def _packed_qkv(g: _Graph, f: dict, i: int) -> list[str]:
     """GroupQueryAttention's query, key and value inputs. Where the three are products of one input with fp32
     weight constants, they become one product with the weights side by side (GroupQueryAttention's packed
-    form: key and value empty), one GEMM instead of three per layer; otherwise the three as they are."""
+    form: key and value empty), one GEMM instead of three per layer. Where they already are one product split
+    three ways along its last axis (quantized weights fused by precision.blocked), the attention reads that
+    product whole and the Split goes. Otherwise the three as they are."""
     products = [g.producer.get(f[t]) for t in ("q", "k", "v")]
+    split = products[0]
+    if split is not None and split.op_type == "Split" and list(split.output) == [f["q"], f["k"], f["v"]] \
+            and _attr(split, "axis", 0) in (-1, 2):
+        return [split.input[0], "", ""]
     if any(p is None or p.op_type != "MatMul" for p in products) or len({p.input[0] for p in products}) != 1:
         return [f["q"], f["k"], f["v"]]
     weights = [g.const(p.input[1]) for p in products]
