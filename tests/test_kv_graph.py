@@ -373,3 +373,36 @@ def test_prefix_cache_stays_within_its_bytes(tiny):
     assert cache.size <= 3 * per_block and len(cache.blocks) == 3
     assert all(parent == -1 or any(b.id == parent for b in cache.blocks.values())
                for parent, _ in cache.blocks)  # the leaves went first: every kept block's parent is kept
+
+
+@pytest.mark.parametrize("slots", [True, False])
+def test_a_prefills_first_tokens_are_handed_over_before_the_decode_call(tiny, slots):
+    backend = OrtBackend(tiny, threads=1)
+    rng = np.random.default_rng(11)
+    prompts = {"a": list(rng.integers(0, 96, 6)), "b": list(rng.integers(0, 96, 9))}
+
+    def run(with_early: bool):
+        batcher = (SlotBatcher if slots else ContinuousBatcher)(backend, {95}, 3, 4096, max_prefill_tokens=16)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        batcher.add("a", prompts["a"], params)
+        batcher.step()  # a's prompt in, its first token out
+        batcher.add("b", prompts["b"], params)
+        early, calls = [], []
+        decode = batcher._decode_rows if slots else batcher._decode
+
+        def counted():
+            calls.append(len(early))  # how many events were handed over before the decode call
+            return decode()
+
+        if slots:
+            batcher._decode_rows = counted
+        else:
+            batcher._decode = counted
+        rest = batcher.step(early.extend if with_early else None)
+        return early, rest, calls
+
+    early, rest, calls = run(True)
+    assert [e.id for e in early] == ["b"] and calls == [1]  # b's first token, before anyone's decode call
+    assert sorted(e.id for e in rest) == ["a", "b"]  # then a token for each decoding sequence
+    plain_early, plain_rest, _ = run(False)
+    assert plain_early == [] and [(e.id, e.token) for e in plain_rest] == [(e.id, e.token) for e in early + rest]

@@ -145,7 +145,10 @@ class ContinuousBatcher:
         return len(self.prefill.seqs) if self.prefill else 0
 
     # -- one step -------------------------------------------------------------------------------
-    def step(self) -> list[Event]:
+    def step(self, early=None) -> list[Event]:
+        """One step: a prefill chunk for the newcomers, then a token for every running sequence. `early`, where
+        given, is called with the chunk's events (first tokens) before the decode call, so they need not wait
+        for it; the events returned are the rest."""
         events: list[Event] = []
         if self.prefill is None:
             newcomers = self._admit()
@@ -154,6 +157,9 @@ class ContinuousBatcher:
         self.newcomers = self.prefill.seqs if self.prefill else []
         if self.prefill:
             events += self._prefill_chunk()
+        if early is not None and events and self.batch.seqs:
+            early(events)
+            events = []
         if self.batch.seqs:
             events += self._decode()
         return events

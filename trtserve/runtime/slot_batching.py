@@ -59,7 +59,10 @@ class SlotBatcher(ContinuousBatcher):
         self.newcomers = [s for s in self.newcomers if s.id != seq_id]
         return bool(rows)
 
-    def step(self) -> list[Event]:
+    def step(self, early=None) -> list[Event]:
+        """One step: a prefill chunk for the newcomers, then a token for every decoding sequence. `early`, where
+        given, is called with the chunk's events (first tokens) before the decode call, so they need not wait
+        for it; the events returned are the rest."""
         for seq in self._admit():  # every step, as slots free up: a newcomer waits for no other's prefill
             seq.length = 0
             self.slots.clear(len(self.table))
@@ -68,6 +71,9 @@ class SlotBatcher(ContinuousBatcher):
             self.table.append(seq)
         self.newcomers = self.table[self.d:]
         events = self._prefill_chunk() if self.newcomers else []
+        if early is not None and events and self.d:
+            early(events)
+            events = []
         return events + (self._decode_rows() if self.d else [])
 
     def _chunk(self, left: list[int]) -> tuple[int, int]:

@@ -60,6 +60,19 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
     batcher = fresh() if batcher is None else batcher
     cache = getattr(batcher, "prefix_cache", None)
     reported = (cache.queries, cache.hits) if cache is not None else (0, 0)  # an inline worker's cache outlives a loop
+
+    def send(events: list[dict]) -> None:
+        nonlocal reported
+        # sequences in a chunked prefill count as running: admitted, holding cache rows
+        cache = getattr(batcher, "prefix_cache", None)
+        totals = (cache.queries, cache.hits) if cache is not None else reported
+        prefix, reported = (totals[0] - reported[0], totals[1] - reported[1]), totals  # new since the last message
+        conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting), prefix)))
+
+    def first_tokens(early: list) -> None:  # a prefill's first tokens go out before the step's decode call
+        send(failed + [e.__dict__ for e in early])
+        failed.clear()
+
     while True:
         try:
             waiting = not batcher.has_work()
@@ -78,7 +91,8 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
                 elif op == "cancel":
                     batcher.cancel(payload)
             try:
-                events = failed + [e.__dict__ for e in batcher.step()]
+                stepped = batcher.step(first_tokens)
+                events = failed + [e.__dict__ for e in stepped]
             except BackendLost as exc:  # the backend's processes are gone: so is this worker, which is restarted
                 log.error("generation worker: %s; leaving so that it is started afresh", exc)
                 return
@@ -87,11 +101,7 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
                 held = dict.fromkeys(s.id for s in batcher.held())
                 events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
                 batcher = fresh()
-            # sequences in a chunked prefill count as running: admitted, holding cache rows
-            cache = getattr(batcher, "prefix_cache", None)
-            totals = (cache.queries, cache.hits) if cache is not None else reported
-            prefix, reported = (totals[0] - reported[0], totals[1] - reported[1]), totals  # new since the last step
-            conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting), prefix)))
+            send(events)
         except (EOFError, OSError):  # the server is gone
             return
 
