@@ -23,7 +23,7 @@ class ServerConfig(Settings):
                                   "per prefill of newcomers; at least the engine's max sequence)")
     max_num_seqs: int = Field(32, ge=1, description="decoders: sequences in the running batch (continuous batching; "
                               "at most the engine's --max-batch)")
-    max_prefill_tokens: int = Field(128, ge=0, description="decoders: padded prompt tokens prefilled per step, in "
+    max_prefill_tokens: int = Field(256, ge=0, description="decoders: padded prompt tokens prefilled per step, in "
                                     "chunks between decode steps so newcomers do not stall running streams (0: each "
                                     "prefill in one call)")
     prefix_cache_mib: int = Field(256, ge=0, description="decoders: MiB per worker for the KV rows of prompt "
