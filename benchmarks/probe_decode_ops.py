@@ -5,6 +5,11 @@ exact share removed (block sums, the small GEMM and its Add; that copy's output 
 The two graphs take turns; medians of `--steps` steps per round over `--rounds` rounds, random ids.
 
     .venv/bin/python benchmarks/probe_decode_ops.py --engine engines/smollm2-int4 [--past 128]
+
+With --against DIR, the decode graph is instead timed step against step with another engine's (paired rounds,
+the order alternating; the median of the per-round ratios), for two builds of one checkpoint:
+
+    .venv/bin/python benchmarks/probe_decode_ops.py --engine NEW --against OLD --rounds 40 --steps 12
 """
 
 from __future__ import annotations
@@ -78,6 +83,24 @@ def without_minimum(graph: Path, out: Path) -> int:
     return bypassed
 
 
+def paired(engine, other, args) -> None:
+    """Step time of two engines' decode graphs in paired rounds; the median of each round's ratio."""
+    from bench_kv_steps import slot_steps
+
+    from trtserve.runtime.kv_slots import KV_GRAPH, KVSlots
+
+    slots = [KVSlots(e, 1, args.threads, session=session(e.file(KV_GRAPH), args.threads)) for e in (engine, other)]
+    times: list[list[float]] = [[], []]
+    for r in range(args.rounds):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            times[i].append(statistics.median(slot_steps(slots[i], args.past, args.steps, np.random.default_rng(r))))
+    ratios = [a / b for a, b in zip(*times)]
+    print(f"batch-1 step at past {args.past}, {args.rounds} paired rounds of {args.steps} steps: "
+          f"{args.engine} {statistics.median(times[0]) * 1000:.2f} ms, {args.against} "
+          f"{statistics.median(times[1]) * 1000:.2f} ms; median ratio {statistics.median(ratios):.3f} "
+          f"(quartiles {np.percentile(ratios, 25):.3f} to {np.percentile(ratios, 75):.3f})")
+
+
 def main() -> None:
     from bench_kv_steps import slot_steps
 
@@ -90,11 +113,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--against", help="another engine's decode graph to time this one against, paired")
     args = parser.parse_args()
     engine = open_engine_dir(args.engine)
     graph = engine.file(KV_GRAPH)
     if not graph.is_file():
         sys.exit(f"{args.engine} has no decode graph: rebuild it with this trtserve")
+    if args.against:
+        return paired(engine, open_engine_dir(args.against), args)
     ms, count = op_times(engine, graph, args.past, args.steps, args.threads)
     total = sum(ms.values())
     print(f"kernel time per batch-1 step at past {args.past} (profiler on): {total:.2f} ms, "
