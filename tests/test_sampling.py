@@ -31,6 +31,47 @@ def test_top_k_and_top_p_cut_the_tail():
     assert freq[2:].sum() == 0 and np.allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
 
 
+@pytest.mark.parametrize("vocab", [64, 600])  # within one block of the whole-vocabulary draw, and over three
+def test_a_wide_vocabulary_is_sampled_as_its_softmax_whole_or_cut_to_the_top_k(vocab):
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(vocab).astype(np.float32) * 2
+    logits[:4] += 3  # a few likely tokens
+    logits[[3, 40, 255, 256][: 2 if vocab < 256 else 4]] = -np.inf  # masked tokens (a grammar) are never drawn
+    want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    for params, expected in ((SamplingParams(seed=6), want),  # no cut: drawn without sorting the vocabulary
+                             (SamplingParams(seed=7, top_k=5), None)):
+        sampler = Sampler(params, vocab)
+        freq = np.bincount([sampler.choose(logits)[0] for _ in range(20000)], minlength=vocab) / 20000
+        if expected is None:  # the five likeliest, renormalised
+            top = np.argsort(-want)[:5]
+            expected = np.zeros(vocab)
+            expected[top] = want[top] / want[top].sum()
+        assert freq[want == 0].sum() == 0 and np.abs(freq - expected).max() < 0.015, (params, freq, expected)
+
+
+def _nucleus(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """softmax, cut to the smallest prefix by falling probability with mass >= top_p, renormalised."""
+    probs = np.exp(logits - logits.max()).astype(np.float64)
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    keep = int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)
+    out = np.zeros_like(probs)
+    out[order[:keep]] = probs[order[:keep]] / probs[order[:keep]].sum()
+    return out
+
+
+@pytest.mark.parametrize("spread", [4.0, 0.01])  # a nucleus among the likeliest 256, and one wider than them
+def test_top_p_over_a_wide_vocabulary_draws_from_the_nucleus(spread):
+    rng = np.random.default_rng(9)
+    logits = (rng.standard_normal(1000) * spread).astype(np.float32)
+    logits[:5] += 8 * (spread > 1)  # a few likely tokens, as a model's logits have
+    sampler = Sampler(SamplingParams(seed=10, top_p=0.9), 1000)
+    n = 20000
+    freq = np.bincount([sampler.choose(logits)[0] for _ in range(n)], minlength=1000) / n
+    want = _nucleus(logits, 0.9)
+    assert freq[want == 0].sum() == 0 and np.abs(freq - want).max() < 0.015
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens():
     def run(seed):
         sampler = Sampler(SamplingParams(seed=seed, temperature=1.0), 4)

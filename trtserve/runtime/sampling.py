@@ -80,6 +80,17 @@ def prompt_logprobs(prompt: list[int], logits: np.ndarray, top: int) -> list[tup
     return rows
 
 
+WHOLE_BLOCK = 256  # tokens per block when drawing from the whole vocabulary
+NUCLEUS_CANDIDATES = 256  # top-p sorts the likeliest this many first, the whole vocabulary only if they fall short
+
+
+def _likeliest(logits: np.ndarray, k: int) -> np.ndarray:
+    """The k tokens of the largest logits, by falling logit (a partition of the values, then a sort of k)."""
+    threshold = np.partition(logits, logits.size - k)[logits.size - k]
+    tokens = np.flatnonzero(logits >= threshold)
+    return tokens[np.argsort(-logits[tokens], kind="stable")][:k]
+
+
 class Sampler:
     """One per sequence: its own random generator (seeded for reproducible output), token counts, and
     the grammar constraint when the sequence has one."""
@@ -151,16 +162,53 @@ class Sampler:
         return token, float(logp[token]), [(int(t), float(logp[t])) for t in top if np.isfinite(logp[t])]
 
     def _sample(self, logits: np.ndarray) -> int:
+        """A token from softmax(logits) after the cuts asked for (top-k, min-p, top-p, in that order; each keeps
+        a prefix of the tokens by falling probability). Only what a cut can keep is sorted."""
         p = self.params
-        order = np.argsort(-logits)
-        if p.top_k:  # top-k and min-p each keep a prefix of this order: either may go first
-            order = order[: p.top_k]
-        probs = np.exp((logits[order] - logits[order[0]]).astype(np.float64))  # the likeliest's is 1
+        if not p.top_k and not p.min_p and p.top_p >= 1.0:  # the whole vocabulary: no order needed
+            return self._draw_whole(logits)
+        if p.top_k and p.top_k < logits.size:
+            return self._draw(logits, _likeliest(logits, p.top_k))
+        if p.top_p < 1.0 and not p.min_p and logits.size > NUCLEUS_CANDIDATES:
+            candidates = _likeliest(logits, NUCLEUS_CANDIDATES)
+            total = float(np.sum(np.exp(logits - logits[candidates[0]]), dtype=np.float64))
+            token = self._draw(logits, candidates, total)
+            if token is not None:
+                return token
+        return self._draw(logits, np.argsort(-logits))
+
+    def _draw_whole(self, logits: np.ndarray) -> int:
+        """A token from softmax(logits) over the whole vocabulary by its inverse distribution function, in two
+        levels: a block of WHOLE_BLOCK tokens by the blocks' masses, then a token inside it (two short cumulative
+        sums where one over the vocabulary would be ten times slower). Tokens of weight 0 are never drawn."""
+        weights = np.exp(logits - np.max(logits))  # float32, vectorized; masked tokens weigh 0
+        if weights.size % WHOLE_BLOCK:
+            weights = np.concatenate([weights, np.zeros(-weights.size % WHOLE_BLOCK, weights.dtype)])
+        blocks = weights.reshape(-1, WHOLE_BLOCK)
+        masses = blocks.sum(axis=1, dtype=np.float64)
+        through = np.cumsum(masses)
+        target = self.rng.random() * through[-1]
+        b = int(np.searchsorted(through, target, side="right"))
+        if b == masses.size:  # rounding at the very end
+            b = int(np.flatnonzero(masses)[-1])
+        inside = np.cumsum(blocks[b], dtype=np.float64)
+        i = int(np.searchsorted(inside, max(target - (through[b] - masses[b]), 0.0), side="right"))
+        if i == WHOLE_BLOCK:
+            i = int(np.flatnonzero(blocks[b])[-1])
+        return b * WHOLE_BLOCK + i
+
+    def _draw(self, logits: np.ndarray, order: np.ndarray, total: float | None = None) -> int | None:
+        """Draw from the tokens in `order` (falling probability). `total`: the whole vocabulary's mass where
+        `order` holds only the likeliest candidates; None then if they hold less than top_p of it."""
+        p = self.params
+        probs = np.exp(logits[order] - logits[order[0]]).astype(np.float64)  # the likeliest's is 1
         if p.min_p:
             keep = max(int(np.count_nonzero(probs >= p.min_p)), 1)
             order, probs = order[:keep], probs[:keep]
-        probs /= probs.sum()
+        probs /= probs.sum() if total is None else total
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix with mass >= top_p
+            if keep > probs.size and total is not None:
+                return None
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return int(order[self.rng.choice(len(order), p=probs)])
