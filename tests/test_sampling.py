@@ -32,20 +32,20 @@ def test_top_k_and_top_p_cut_the_tail():
 
 
 @pytest.mark.parametrize("vocab", [64, 600])  # within one block of the whole-vocabulary draw, and over three
-def test_a_wide_vocabulary_is_sampled_as_its_softmax_whole_or_cut_to_the_top_k(vocab):
+def test_a_wide_vocabulary_is_sampled_as_its_softmax_whole_or_cut_by_top_k_or_min_p(vocab):
     rng = np.random.default_rng(5)
     logits = rng.standard_normal(vocab).astype(np.float32) * 2
     logits[:4] += 3  # a few likely tokens
     logits[[3, 40, 255, 256][: 2 if vocab < 256 else 4]] = -np.inf  # masked tokens (a grammar) are never drawn
     want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
-    for params, expected in ((SamplingParams(seed=6), want),  # no cut: drawn without sorting the vocabulary
-                             (SamplingParams(seed=7, top_k=5), None)):
+    top = np.argsort(-want)[:5]
+    likely = want >= 0.05 * want.max()
+    for params, kept in ((SamplingParams(seed=6), want > 0),  # no cut: drawn without sorting the vocabulary
+                         (SamplingParams(seed=7, top_k=5), np.isin(np.arange(vocab), top)),  # the five likeliest
+                         (SamplingParams(seed=8, min_p=0.05), likely)):  # at least 5% of the likeliest's
         sampler = Sampler(params, vocab)
         freq = np.bincount([sampler.choose(logits)[0] for _ in range(20000)], minlength=vocab) / 20000
-        if expected is None:  # the five likeliest, renormalised
-            top = np.argsort(-want)[:5]
-            expected = np.zeros(vocab)
-            expected[top] = want[top] / want[top].sum()
+        expected = np.where(kept, want, 0) / want[kept].sum()
         assert freq[want == 0].sum() == 0 and np.abs(freq - expected).max() < 0.015, (params, freq, expected)
 
 

@@ -169,7 +169,10 @@ class Sampler:
             return self._draw_whole(logits)
         if p.top_k and p.top_k < logits.size:
             return self._draw(logits, _likeliest(logits, p.top_k))
-        if p.top_p < 1.0 and not p.min_p and logits.size > NUCLEUS_CANDIDATES:
+        if p.min_p:  # what min-p can keep (a margin below its bound; _draw applies the bound itself)
+            kept = np.flatnonzero(logits >= np.max(logits) + np.log(p.min_p) - 1e-3)
+            return self._draw(logits, kept[np.argsort(-logits[kept], kind="stable")])
+        if p.top_p < 1.0 and logits.size > NUCLEUS_CANDIDATES:
             candidates = _likeliest(logits, NUCLEUS_CANDIDATES)
             total = float(np.sum(np.exp(logits - logits[candidates[0]]), dtype=np.float64))
             token = self._draw(logits, candidates, total)
