@@ -406,3 +406,24 @@ def test_a_prefills_first_tokens_are_handed_over_before_the_decode_call(tiny, sl
     assert sorted(e.id for e in rest) == ["a", "b"]  # then a token for each decoding sequence
     plain_early, plain_rest, _ = run(False)
     assert plain_early == [] and [(e.id, e.token) for e in plain_rest] == [(e.id, e.token) for e in early + rest]
+
+
+def test_a_server_gone_while_first_tokens_are_sent_ends_the_worker_loop_quietly(tiny, caplog):
+    from trtserve.server.generation_worker import generation_loop
+
+    class Pipe:  # the worker's end of a server that asks for one sequence and is gone before its first token
+        def __init__(self):
+            self.messages = [("add", [("a", [5, 6, 7], {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True})])]
+
+        def poll(self, timeout=None):
+            return bool(self.messages)
+
+        def recv(self):
+            return self.messages.pop(0)
+
+        def send(self, message):
+            raise BrokenPipeError("the server is gone")
+
+    batcher = SlotBatcher(OrtBackend(tiny, threads=1), {95}, 2, 4096, max_prefill_tokens=16)
+    generation_loop(Pipe(), None, 2, 4096, 16, batcher=batcher)  # returns: no step failure, no new batcher
+    assert "generation step failed" not in caplog.text

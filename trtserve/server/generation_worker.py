@@ -48,6 +48,10 @@ def new_batcher(text, max_num_seqs: int, max_batched_tokens: int, max_prefill_to
     return batcher
 
 
+class ServerGone(Exception):
+    """The pipe broke while a step sent its first tokens: the server is gone, the step did not fail."""
+
+
 def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None,
                     prefix_cache_mib: int = 0, batcher=None) -> None:
     """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
@@ -70,7 +74,10 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
         conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting), prefix)))
 
     def first_tokens(early: list) -> None:  # a prefill's first tokens go out before the step's decode call
-        send(failed + [e.__dict__ for e in early])
+        try:
+            send(failed + [e.__dict__ for e in early])
+        except (EOFError, OSError) as exc:
+            raise ServerGone from exc
         failed.clear()
 
     while True:
@@ -95,6 +102,8 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
                 events = failed + [e.__dict__ for e in stepped]
             except BackendLost as exc:  # the backend's processes are gone: so is this worker, which is restarted
                 log.error("generation worker: %s; leaving so that it is started afresh", exc)
+                return
+            except ServerGone:
                 return
             except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
                 log.exception("generation step failed")
