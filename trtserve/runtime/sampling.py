@@ -84,11 +84,15 @@ WHOLE_BLOCK = 256  # tokens per block when drawing from the whole vocabulary
 NUCLEUS_CANDIDATES = 256  # top-p sorts the likeliest this many first, the whole vocabulary only if they fall short
 
 
+def _falling(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """`tokens` ordered by falling logit."""
+    return tokens[np.argsort(-logits[tokens], kind="stable")]
+
+
 def _likeliest(logits: np.ndarray, k: int) -> np.ndarray:
     """The k tokens of the largest logits, by falling logit (a partition of the values, then a sort of k)."""
     threshold = np.partition(logits, logits.size - k)[logits.size - k]
-    tokens = np.flatnonzero(logits >= threshold)
-    return tokens[np.argsort(-logits[tokens], kind="stable")][:k]
+    return _falling(logits, np.flatnonzero(logits >= threshold))[:k]
 
 
 class Sampler:
@@ -170,8 +174,8 @@ class Sampler:
         if p.top_k and p.top_k < logits.size:
             return self._draw(logits, _likeliest(logits, p.top_k))
         if p.min_p:  # what min-p can keep (a margin below its bound; _draw applies the bound itself)
-            kept = np.flatnonzero(logits >= np.max(logits) + np.log(p.min_p) - 1e-3)
-            return self._draw(logits, kept[np.argsort(-logits[kept], kind="stable")])
+            bound = np.max(logits) + np.log(p.min_p) - 1e-3
+            return self._draw(logits, _falling(logits, np.flatnonzero(logits >= bound)))
         if p.top_p < 1.0 and logits.size > NUCLEUS_CANDIDATES:
             candidates = _likeliest(logits, NUCLEUS_CANDIDATES)
             total = float(np.sum(np.exp(logits - logits[candidates[0]]), dtype=np.float64))
