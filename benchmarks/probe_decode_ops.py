@@ -1,10 +1,13 @@
-"""Where a batch-1 decode step of an engine's decode graph spends its time: kernel time per op type from
+"""Where a decode step of an engine's decode graph spends its time (batch 1 unless `--rows`): kernel time per op type from
 ONNX Runtime's profiler (a separate run: the profiler itself slows small nodes), then, for a graph with
 block minima (int4 from fp32 checkpoints, gguf's Q4_1), the step timed against a copy with the minimum's
 exact share removed (block sums, the small GEMM and its Add; that copy's output is wrong: timing only).
 The two graphs take turns; medians of `--steps` steps per round over `--rounds` rounds, random ids.
 
-    .venv/bin/python benchmarks/probe_decode_ops.py --engine engines/smollm2-int4 [--past 128]
+    .venv/bin/python benchmarks/probe_decode_ops.py --engine engines/smollm2-int4 [--past 128] [--rows 1]
+
+With --rows N the profiled step decodes N sequences (each slot first prefilled with `--past` tokens in one
+call, whose kernel time is shown beside), and the minimum's timing is left out.
 
 With --against DIR, the decode graph is instead timed step against step with another engine's (paired rounds,
 the order alternating; the median of the per-round ratios), for two builds of one checkpoint:
@@ -43,23 +46,31 @@ def session(path: Path, threads: int, profile_prefix: str | None = None):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def op_times(engine, graph: Path, past: int, steps: int, threads: int) -> tuple[dict, dict]:
-    """Kernel milliseconds per step and node count, per op type."""
-    from bench_kv_steps import slot_steps
-
+def op_times(engine, graph: Path, past: int, steps: int, threads: int, rows: int = 1) -> tuple[dict, dict, dict]:
+    """Kernel milliseconds per op type of a decode step over `rows` slots, each holding `past` tokens (after
+    one prefill call of `past` tokens per slot), node counts per op type, and the milliseconds of one such
+    prefill call per op type."""
     from trtserve.runtime.kv_slots import KVSlots
 
+    rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         s = session(graph, threads, os.path.join(tmp, "profile"))
-        slot_steps(KVSlots(engine, 1, threads, session=s), past, steps, np.random.default_rng(0))
+        slots = KVSlots(engine, rows, threads, session=s)
+        for row in range(rows):
+            slots.clear(row)
+            slots.run(row, rng.integers(0, 1000, (1, past)), np.array([past]), np.array([[past - 1]]))
+        for _ in range(steps):
+            slots.run(0, rng.integers(0, 1000, (rows, 1)), np.ones(rows, np.int64), np.zeros((rows, 1), np.int64))
         events = json.load(open(s.end_profiling()))
     runs = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    per_run = len(runs) // (steps + 1)
-    ms, count = collections.Counter(), collections.Counter()
-    for e in runs[per_run:]:  # the prefill's run first
+    per_run = len(runs) // (steps + rows)
+    ms, count, prefill = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in runs[:per_run * rows]:  # the prefill calls first
+        prefill[e["args"]["op_name"]] += e["dur"] / 1000 / rows
+    for e in runs[per_run * rows:]:
         ms[e["args"]["op_name"]] += e["dur"] / 1000 / steps
         count[e["args"]["op_name"]] += 1
-    return dict(ms), {k: v // steps for k, v in count.items()}
+    return dict(ms), {k: v // steps for k, v in count.items()}, dict(prefill)
 
 
 def without_minimum(graph: Path, out: Path) -> int:
@@ -113,6 +124,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1, help="sequences decoded by each profiled step")
     parser.add_argument("--against", help="another engine's decode graph to time this one against, paired")
     args = parser.parse_args()
     engine = open_engine_dir(args.engine)
@@ -121,13 +133,16 @@ def main() -> None:
         sys.exit(f"{args.engine} has no decode graph: rebuild it with this trtserve")
     if args.against:
         return paired(engine, open_engine_dir(args.against), args)
-    ms, count = op_times(engine, graph, args.past, args.steps, args.threads)
-    total = sum(ms.values())
-    print(f"kernel time per batch-1 step at past {args.past} (profiler on): {total:.2f} ms, "
-          f"{sum(count.values())} nodes")
-    print("| op | ms per step | share | nodes |\n|---|---|---|---|")
+    ms, count, prefill = op_times(engine, graph, args.past, args.steps, args.threads, args.rows)
+    total, prefill_total = sum(ms.values()), sum(prefill.values())
+    print(f"kernel time per step of {args.rows} row(s) at past {args.past} (profiler on): {total:.2f} ms, "
+          f"{sum(count.values())} nodes; one prefill call of {args.past} tokens: {prefill_total:.2f} ms")
+    print("| op | ms per step | share | nodes | ms per prefill call | share |\n|---|---|---|---|---|---|")
     for op, value in sorted(ms.items(), key=lambda kv: -kv[1]):
-        print(f"| {op} | {value:.3f} | {value / total:.1%} | {count[op]} |")
+        print(f"| {op} | {value:.3f} | {value / total:.1%} | {count[op]} | {prefill.get(op, 0):.3f} | "
+              f"{prefill.get(op, 0) / prefill_total:.1%} |")
+    if args.rows > 1:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / graph.name
         if not without_minimum(graph, copy):
