@@ -153,9 +153,31 @@ def decoder_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
                      position_ids=torch.from_numpy(positions_from_mask(mask))).logits.numpy()
 
 
+def worst_over(model, cases, reference: dict) -> tuple[float, float, float, float, float]:
+    """The model's worst figures over `cases` against `reference` logits: top-1 and perplexity change (real
+    text), worst-token cosine on real text and on random ids, and the whole logits' cosine."""
+    from trtserve.precision.measure import logits_case
+
+    top1, ppl, real_cos, random_cos, overall = 1.0, 0.0, 1.0, 1.0, 1.0
+    for label, ids, mask, real in cases:
+        case = logits_case(reference[label], decoder_logits(model, ids, mask), ids, mask, real)
+        overall = min(overall, case["logits"]["cosine"])
+        if real:
+            top1, ppl = min(top1, case["top1_agreement"]), max(ppl, case["perplexity_rel_delta"])
+            real_cos = min(real_cos, case["logits"]["worst_row_cosine"])
+        else:
+            random_cos = min(random_cos, case["logits"]["worst_row_cosine"])
+    return top1, ppl, real_cos, random_cos, overall
+
+
+def meets_target(t, top1: float, ppl: float, real_cos: float, random_cos: float, overall: float) -> bool:
+    return (top1 >= t.min_top1 and ppl <= t.max_ppl_delta and real_cos >= t.min_token_cosine
+            and overall >= t.min_cosine and random_cos >= t.random_token_cosine)
+
+
 def probe_decoder(args, source) -> None:
     from trtserve.models.loading import load_hf_tokenizer, load_torch_model
-    from trtserve.precision.measure import Corpus, Target, logits_case
+    from trtserve.precision.measure import Corpus, Target
 
     model = load_torch_model(source, attention="eager")
     tokenizer = load_hf_tokenizer(source.path)
@@ -178,17 +200,8 @@ def probe_decoder(args, source) -> None:
     for form in args.forms:
         started = time.perf_counter()
         forms.use(form)
-        top1, ppl, real_cos, random_cos, overall = 1.0, 0.0, 1.0, 1.0, 1.0
-        for label, ids, mask, real in cases:
-            case = logits_case(reference[label], decoder_logits(model, ids, mask), ids, mask, real)
-            overall = min(overall, case["logits"]["cosine"])
-            if real:
-                top1, ppl = min(top1, case["top1_agreement"]), max(ppl, case["perplexity_rel_delta"])
-                real_cos = min(real_cos, case["logits"]["worst_row_cosine"])
-            else:
-                random_cos = min(random_cos, case["logits"]["worst_row_cosine"])
-        meets = {key: top1 >= t.min_top1 and ppl <= t.max_ppl_delta and real_cos >= t.min_token_cosine
-                 and overall >= t.min_cosine and random_cos >= t.random_token_cosine for key, t in targets.items()}
+        top1, ppl, real_cos, random_cos, overall = worst_over(model, cases, reference)
+        meets = {key: meets_target(t, top1, ppl, real_cos, random_cos, overall) for key, t in targets.items()}
         print(f"| {form} | {top1:.2%} | {ppl:.2%} | {real_cos:.6f} | {random_cos:.6f} | "
               f"{'yes' if meets['int4'] else 'no'} | {'yes' if meets['gguf default'] else 'no'} | "
               f"{time.perf_counter() - started:.0f} |", flush=True)

@@ -50,11 +50,11 @@ def integer_zero_points(weight, search: bool):
 
 def main() -> None:
     import torch
-    from probe_activation_forms import decoder_cases, decoder_logits
+    from probe_activation_forms import decoder_cases, decoder_logits, meets_target, worst_over
 
     from trtserve.models.loading import load_hf_tokenizer, load_torch_model
     from trtserve.models.sources import resolve
-    from trtserve.precision.measure import Corpus, Target, logits_case
+    from trtserve.precision.measure import Corpus, Target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -78,17 +78,8 @@ def main() -> None:
             for name, p in layers.items():
                 p.copy_(integer_zero_points(exact[name], form == "search"))
             moved = max(float((p - exact[n]).abs().max() / exact[n].abs().max()) for n, p in layers.items())
-        top1, ppl, real_cos, random_cos, overall = 1.0, 0.0, 1.0, 1.0, 1.0
-        for label, ids, mask, real in cases:
-            case = logits_case(reference[label], decoder_logits(model, ids, mask), ids, mask, real)
-            overall = min(overall, case["logits"]["cosine"])
-            if real:
-                top1, ppl = min(top1, case["top1_agreement"]), max(ppl, case["perplexity_rel_delta"])
-                real_cos = min(real_cos, case["logits"]["worst_row_cosine"])
-            else:
-                random_cos = min(random_cos, case["logits"]["worst_row_cosine"])
-        meets = (top1 >= target.min_top1 and ppl <= target.max_ppl_delta and real_cos >= target.min_token_cosine
-                 and overall >= target.min_cosine and random_cos >= target.random_token_cosine)
+        top1, ppl, real_cos, random_cos, overall = worst_over(model, cases, reference)
+        meets = meets_target(target, top1, ppl, real_cos, random_cos, overall)
         print(f"| {form} | {moved:.3f} | {top1:.2%} | {ppl:.2%} | {real_cos:.6f} | {random_cos:.6f} | "
               f"{'yes' if meets else 'no'} |", flush=True)
 
