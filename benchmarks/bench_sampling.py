@@ -8,14 +8,14 @@ and generation configs use. Median of `--runs` calls after a warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_backends import timed as median_ms  # noqa: E402  (the median of timed calls after a warm-up)
 
 SETTINGS = {  # name -> SamplingParams fields
     "greedy (temperature 0)": {"temperature": 0.0},
@@ -42,14 +42,7 @@ def main() -> None:
     print("| setting | ms |\n|---|---:|")
     for name, fields in SETTINGS.items():
         sampler = Sampler(SamplingParams(seed=1, **fields), args.vocab)
-        for _ in range(10):
-            sampler.choose(logits)
-        times = []
-        for _ in range(args.runs):
-            started = time.perf_counter()
-            sampler.choose(logits)
-            times.append(time.perf_counter() - started)
-        print(f"| {name} | {statistics.median(times) * 1000:.3f} |")
+        print(f"| {name} | {median_ms(lambda: sampler.choose(logits), 0, args.runs, warmup=10):.3f} |")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,13 @@ the kernel ONNX Runtime's quantize_dynamic uses). Random weights and inputs (spe
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_backends import timed as median_ms  # noqa: E402  (the median of timed calls after a warm-up)
 
 
 def _model(nodes, inits, k: int):
@@ -48,13 +51,8 @@ def models(k: int, n: int, rng) -> dict:
 
 
 def timed(session, x, runs: int) -> float:
-    session.run(None, {"x": x})
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        session.run(None, {"x": x})
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+    """Median ms of one call over `runs`, after one warm-up call."""
+    return median_ms(lambda: session.run(None, {"x": x}), 0, runs, warmup=1)
 
 
 def main() -> None:
