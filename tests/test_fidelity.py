@@ -82,3 +82,38 @@ def testneighbour_agreement_counts_shared_top10_neighbours():
     y = np.random.default_rng(1).standard_normal((40, 8))
     y /= np.linalg.norm(y, axis=1, keepdims=True)
     assert neighbour_agreement(x, y) < 0.6
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_a_case_tallied_a_chunk_of_positions_at_a_time_equals_the_whole(chunk):
+    """The gate never holds vocabulary x length x rows of logits: chunks of positions give the same case."""
+    from trtserve.precision.measure import LogitsCase, logits_case
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 50, (3, 40))
+    mask = np.ones_like(ids)
+    mask[1, :9], mask[2, :31] = 0, 0  # left padding, one row padded across several chunks
+    ref = rng.normal(size=(3, 40, 50)).astype(np.float32)
+    out = ref + rng.normal(scale=0.3, size=ref.shape).astype(np.float32)
+    out[0, 5, 7] = np.nan  # a broken value counts once, wherever its chunk falls
+    whole = logits_case(ref, out, ids, mask, real=True)
+    case = LogitsCase(ids, mask, real=True)
+    for start in range(0, 40, chunk):
+        case.add(start, ref[:, start:start + chunk], out[:, start:start + chunk])
+    chunked = case.result()
+    keep = mask.astype(bool)
+    assert whole["top1_agreement"] == top1_agreement(ref[keep], out[keep])
+    assert whole["perplexity_engine"] != whole["perplexity_engine"]  # NaN logits: no perplexity
+    assert chunked["logits"]["nonfinite"] == whole["logits"]["nonfinite"] == 1
+    clean = out.copy()
+    clean[0, 5, 7] = 0.0
+    whole, case = logits_case(ref, clean, ids, mask, real=True), LogitsCase(ids, mask, real=True)
+    for start in range(0, 40, chunk):
+        case.add(start, ref[:, start:start + chunk], clean[:, start:start + chunk])
+    chunked = case.result()
+    assert whole["perplexity_torch"] == pytest.approx(perplexity(ref, ids, mask), rel=1e-12)
+    assert whole["perplexity_engine"] == pytest.approx(perplexity(clean, ids, mask), rel=1e-12)
+    for key in ("top1_agreement", "perplexity_torch", "perplexity_engine", "tokens"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-12)
+    for key, value in whole["logits"].items():
+        assert chunked["logits"][key] == pytest.approx(value, rel=1e-12)

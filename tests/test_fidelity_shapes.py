@@ -56,7 +56,7 @@ def test_wide_rows_pad_half_the_batch_by_different_amounts(left):
     backend = SimpleNamespace(engine=SimpleNamespace(manifest=SimpleNamespace(
         model=SimpleNamespace(architecture=SimpleNamespace(vocab_size=5000)))))
     tokenizer = SimpleNamespace(pad_token_id=3)
-    ids, mask = _wide_rows(backend, tokenizer, None, "random", 8, 64, left=left)
+    ids, mask = _wide_rows(backend.engine, tokenizer, None, "random", 8, 64, left=left)
     assert ids.shape == mask.shape == (8, 64) and ids.dtype == np.int64
     assert mask[:4].all() and ids[:4].min() >= 1000 and ids.max() < 5000
     assert [int((1 - mask[r]).sum()) for r in range(4, 8)] == [8, 16, 32, 48]
@@ -64,7 +64,7 @@ def test_wide_rows_pad_half_the_batch_by_different_amounts(left):
         pad = int((1 - mask[r]).sum())
         span = slice(0, pad) if left else slice(64 - pad, 64)
         assert (mask[r, span] == 0).all() and (ids[r, span] == 3).all()
-    again, _ = _wide_rows(backend, tokenizer, None, "random", 8, 64, left=left)
+    again, _ = _wide_rows(backend.engine, tokenizer, None, "random", 8, 64, left=left)
     assert np.array_equal(ids, again)  # the same ids on every run: the gate is reproducible
 
 
@@ -156,7 +156,7 @@ def test_a_confirm_grid_gives_the_evaluation_shapes_within_the_engine_range(tmp_
         _confirm_grid("nope")
     backend = SimpleNamespace(engine=SimpleNamespace(manifest=SimpleNamespace(
         model=SimpleNamespace(architecture=SimpleNamespace(vocab_size=49152)))))
-    ids, mask = _grid_rows(backend, "random", 8, 64, 0)
+    ids, mask = _grid_rows(backend.engine, "random", 8, 64, 0)
     expected = np.random.default_rng([0, 8, 64]).integers(1000, 49152, size=(8, 64))  # as `trtserve eval` feeds
     assert np.array_equal(ids, expected) and mask.all()
 

@@ -22,7 +22,7 @@ from trtserve.precision.write import check_precision, target_for
 from trtserve.progress import say, step
 
 ONNX_FILE = "model.onnx"
-EXPORT_FORMAT = 2  # bump when the exported graph contract changes: invalidates the ONNX cache
+EXPORT_FORMAT = 3  # bump when the exported graph contract changes: invalidates the ONNX cache
 DEFAULT_MAX_SEQ = 2048
 OPT_SEQ = 128
 
@@ -228,6 +228,11 @@ def _decode_graph_step(d: _Draft) -> dict:
         return {}
     from trtserve.engine_builder.kv_graph import build_kv
 
+    import gc
+
+    d.harness = None  # a decoder's torch reference (the fp32 model) is not needed past its gate: not held twice
+    gc.collect()
+
     with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
         kv = KvGraph.model_validate(build_kv(d.tmp, engine_dir.as_manifest(d.manifest)))
     if kv.file:
@@ -325,6 +330,8 @@ def _export_cached(source: ModelSource, source_hash: str) -> Path:
 
 
 def _export(source: ModelSource, path: Path) -> None:
+    import gc
+
     import onnx
 
     from trtserve.engine_builder.export import export_onnx
@@ -334,6 +341,8 @@ def _export(source: ModelSource, path: Path) -> None:
         model = load_torch_model(source)
     with step("exporting to ONNX"):
         export_onnx(source, model, path)
+    del model
+    gc.collect()  # the exported model's cycles: the next step loads the reference, never beside this copy
     with step("checking the graph with onnx.checker"):
         onnx.checker.check_model(str(path), full_check=True)
 

@@ -26,7 +26,8 @@ def uses_token_types(source: ModelSource) -> bool:
 
 
 def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[str]]:
-    """Write `out` (one self-contained .onnx file); return (input names, output names)."""
+    """Write `out` with its weights as external data beside it (graph_files); return (input names, output
+    names)."""
     import torch
 
     if source.info.kind in ("encoder", "scorer"):
@@ -44,7 +45,7 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
             input_names=names,
             output_names=list(outputs),
             dynamic_shapes=shapes,
-            external_data=False,
+            external_data=True,
             verbose=False,
         )
     _rename_dims(out, past_dims=source.info.kind == "decoder")
@@ -106,9 +107,9 @@ def _decoder_spec(source: ModelSource, model):
 
 
 def _rename_dims(path: Path, past_dims: bool) -> None:
-    import onnx
+    from trtserve.graph_files import load_graph, save_structure
 
-    model = onnx.load(str(path))
+    model = load_graph(path, weights=False)
     mapping: dict[str, str] = {}
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
@@ -125,4 +126,4 @@ def _rename_dims(path: Path, past_dims: bool) -> None:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
                 dim.dim_param = pattern.sub(lambda m: mapping[m.group(1)], dim.dim_param)
-    onnx.save(model, str(path))
+    save_structure(model, path)

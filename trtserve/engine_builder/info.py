@@ -9,6 +9,12 @@ def _mb(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
 
 
+def _files(m) -> str:
+    """The engine's size on disk, then each file's (weights as external data included)."""
+    total = sum(entry.size for entry in m.files.values())
+    return f"files       {_mb(total)} on disk: " + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items())
+
+
 def describe_manifest(engine: EngineDir) -> str:
     from trtserve.precision.run import summary
 
@@ -41,7 +47,7 @@ def describe_manifest(engine: EngineDir) -> str:
         "outputs     " + ", ".join(_io(spec) for spec in m.io.outputs[:3])
         + (f", ... ({len(m.io.outputs)} in all)" if len(m.io.outputs) > 3 else ""),
         f"fidelity    {summary(m.fidelity)}",
-        "files       " + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items()),
+        _files(m),
         f"built       {m.created} in {m.build_seconds if m.build_seconds is not None else '?'}s with "
         + ", ".join(f"{k} {v}" for k, v in (m.versions or {}).items()),
         f"rebuild     {m.build_command}",
@@ -99,7 +105,7 @@ def _describe_tracks(engine: EngineDir) -> str:
         f"precision   {m.precision.policy}" + _track_formats(m.precision),
         *([f"fidelity    {summary(m.fidelity)}"] if m.fidelity is not None else []),
         f"parity      max abs error {m.parity.max_abs_error:.2e} ({m.parity.against})",
-        "files       " + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items()),
+        _files(m),
         f"rebuild     {m.build_command}",
     ])
 

@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from trtserve.engine_builder.onnxruntime import write_optimized
+from trtserve.graph_files import data_path, load_graph, save_graph, save_structure, tensor_array
 from trtserve.runtime.kv_slots import KV_GRAPH, LOGIT_INDEX, QUERY_LENS, SEQLENS, TOTAL
 
 CAPACITY_AXIS = "capacity"
@@ -38,8 +40,8 @@ class NotLowered(Exception):
 
 
 class _Graph:
-    def __init__(self, graph):
-        self.graph = graph
+    def __init__(self, graph, base: Path | None = None):
+        self.graph, self.base = graph, base  # base: the folder the graph's external weights are read from
         self.inits = {i.name: i for i in graph.initializer}
         self.producer = {o: n for n in graph.node for o in n.output}
         self.readers: dict[str, list] = {}
@@ -56,7 +58,7 @@ class _Graph:
     def const(self, name: str) -> np.ndarray | None:
         init = self.inits.get(name)
         if init is not None:
-            return numpy_helper.to_array(init)
+            return tensor_array(init, self.base)
         node = self.producer.get(name)
         if node is not None and node.op_type == "Constant":
             return numpy_helper.to_array(node.attribute[0].t)
@@ -325,12 +327,15 @@ def _only_reader(g: _Graph, tensor: str, op: str):
 
 
 def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity: int,
-          windows: list[int | None] | None = None) -> onnx.ModelProto:
+          windows: list[int | None] | None = None, base: Path | None = None) -> onnx.ModelProto:
     """The decode graph of a portable decoder graph (a copy); NotLowered says why it cannot be made.
-    `windows`: per layer, the sliding window of the model (keys q - w < k <= q) or None."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    `windows`: per layer, the sliding window of the model (keys q - w < k <= q) or None. `base`: the folder
+    the graph's external weights are in (a graph loaded without them)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # no serialization: a graph holding its weights may be past protobuf's 2 GB
+    model = copy
     graph = model.graph
-    g = _Graph(graph)
+    g = _Graph(graph, base)
     layers = sorted({int(o.name.split(".")[1]) for o in graph.output if o.name.startswith("present.")})
     if not layers:
         raise NotLowered("the graph has no present key/value outputs")
@@ -437,34 +442,40 @@ def build_kv(tmp: Path, manifest) -> dict:
     arch = manifest.model.architecture
     capacity = manifest.shapes.total_sequence.max
     try:
-        lowered = lower(onnx.load(str(tmp / manifest.onnx.file)), arch.num_heads, arch.num_kv_heads,
-                        arch.head_dim, capacity, arch.sliding_windows)
+        lowered = lower(load_graph(tmp / manifest.onnx.file, weights=False), arch.num_heads, arch.num_kv_heads,
+                        arch.head_dim, capacity, arch.sliding_windows, base=tmp)
     except NotLowered as exc:
         return {"file": None, "why_not": str(exc)}
     staged, out = tmp / "kv.portable.onnx", tmp / KV_GRAPH
-    onnx.save(lowered, str(staged))
+    save_graph(lowered, staged)
+    del lowered
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.optimized_model_filepath = str(out)
+    write_optimized(options, out)
     options.log_severity_level = 3
     try:
         ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
-        staged.unlink()
+        _remove_graph(staged)
         _same_lowerings(tmp / OPTIMIZED, out)
         check = _checked_without_rounding(tmp, manifest)
     except RuntimeError as exc:  # ONNX Runtime refused the lowered graph: the engine keeps the portable one
         for path in (staged, out):
-            path.unlink(missing_ok=True)
+            _remove_graph(path)
         return {"file": None, "why_not": f"ONNX Runtime could not run the decode graph: {str(exc).splitlines()[0]}"}
     if check.get("lowerings_differ"):
-        out.unlink()
+        _remove_graph(out)
         return {"file": None, "why_not": "the decode graph's activation roundings differ from the optimized graph's "
                                          f"at {', '.join(check['lowerings_differ'][:3])}"}
     if check["max_relative_difference"] > CHECK_TOLERANCE:
-        out.unlink()
+        _remove_graph(out)
         return {"file": None, "why_not": f"logits differ from the optimized graph by {check['max_relative_difference']:.2e} "
                                          f"of the largest (allowed {CHECK_TOLERANCE:g})", "check": check}
     return {"file": KV_GRAPH, "capacity": capacity, "check": check}
+
+
+def _remove_graph(path: Path) -> None:
+    for file in (path, data_path(path)):
+        file.unlink(missing_ok=True)
 
 
 def _checked_without_rounding(tmp: Path, manifest) -> dict:
@@ -488,9 +499,9 @@ def _checked_without_rounding(tmp: Path, manifest) -> dict:
         return check_kv(tmp, manifest)
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
         for name in (OPTIMIZED, KV_GRAPH):
-            model = onnx.load(str(tmp / name))
+            model = load_graph(tmp / name, weights=False)
             without_rounded_activations(model)
-            onnx.save(model, str(Path(scratch) / name))
+            save_graph(model, Path(scratch) / name, base=tmp)
         return dict(check_kv(Path(scratch), manifest), activations="fp32 in both graphs for the check")
 
 
@@ -504,19 +515,22 @@ def _same_lowerings(main: Path, kv: Path) -> None:
     nodes = main_model.graph.node
     levels = {n.name: _attr(n, "accuracy_level") for n in nodes if n.op_type == "MatMulNBits"}
     gathers = any(n.op_type == "GatherBlockQuantized" for n in nodes)
-    model = onnx.load(str(kv))
+    residual = residual_gemms(main_model)
+    model = load_graph(kv, weights=bool(gathers or residual))  # those two rewrite weights; the levels do not
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and levels.get(node.name) is not None:
             set_accuracy_level(node, levels[node.name])
-    add_residual_rows(model, residual_gemms(main_model))
+    add_residual_rows(model, residual)
     if gathers:
         _gather_block_quantized(model)
-    onnx.save(model, str(kv))
+    (save_graph if gathers or residual else save_structure)(model, kv)
 
 
 def check_kv(tmp: Path, manifest) -> dict:
     """Random prompts through the slots (batched, right-padded, one prompt in two chunks beside idle rows, then
     decode steps) against each prompt alone through the optimized graph, on the same tokens."""
+    import gc
+
     from trtserve.engine_dir import EngineDir
     from trtserve.runtime import generate
     from trtserve.runtime.kv_slots import KVSlots
@@ -542,6 +556,8 @@ def check_kv(tmp: Path, manifest) -> dict:
         tokens = steps[-1].argmax(-1)
         steps.append(slots.run(0, tokens[:, None], np.ones(rows, np.int64), np.zeros((rows, 1), np.int64))[:, 0])
     got = np.stack(steps, 1)  # (rows, steps, V)
+    del slots  # one graph's weights in memory at a time: the slots' session goes before the optimized graph's
+    gc.collect()
     backend = OrtBackend(engine, threads=2)
     worst = 0.0
     try:

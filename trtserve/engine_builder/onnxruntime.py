@@ -5,6 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+from trtserve.graph_files import DATA_SUFFIX, WEIGHT_BYTES, load_graph, save_graph, save_structure
+
 OPTIMIZED = "model.ort.onnx"
 
 
@@ -27,7 +29,7 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.optimized_model_filepath = str(out_dir / OPTIMIZED)
+    write_optimized(options, out_dir / OPTIMIZED)
     options.log_severity_level = 3  # the "hardware specific" notice: the manifest records the machine
     ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     levels = _lower(out_dir / OPTIMIZED, int8_activations, residual) if int8_activations is not None else {}
@@ -43,28 +45,29 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     }
 
 
-MAPPED_SUFFIX = ".data"  # a served graph's weights: model.ort.onnx -> model.ort.onnx.data
+MAPPED_SUFFIX = DATA_SUFFIX  # a served graph's weights: model.ort.onnx -> model.ort.onnx.data
+
+
+def write_optimized(options, path: Path) -> None:
+    """Have the session that `options` open write its optimized graph to `path`, its initializers as external
+    data in `<path>.data` (a graph past 2 GB cannot be written whole)."""
+    options.optimized_model_filepath = str(path)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                     path.name + MAPPED_SUFFIX)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                     str(WEIGHT_BYTES))
 
 
 def map_weights(graph: Path) -> str | None:
-    """Move every initializer of 1 KiB or more out of `graph` into `<graph>.data` beside it (ONNX external
-    data); return that file's name (None when there is none).
+    """Keep every initializer of 1 KiB or more of `graph` in `<graph>.data` beside it (ONNX external data),
+    page-aligned, one tensor at a time; return that file's name (None when there is none).
 
     ONNX Runtime memory-maps external data on the CPU instead of copying it onto its heap: weights a kernel
     repacks at load (MatMul, MatMulNBits) are read once from the file and never held twice, and the rest
     (an embedding table, block scales) are pages of the file, resident only once read: a table's rows are
     resident only for the tokens that were looked up."""
-    import onnx
-
-    model = onnx.load(str(graph))
-    data = graph.with_name(graph.name + MAPPED_SUFFIX)
-    data.unlink(missing_ok=True)  # onnx appends to an existing file
-    onnx.save(model, str(graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
-              size_threshold=1024)
-    if not data.is_file():  # no initializer of 1 KiB or more: the graph holds them all
-        return None
-    data.chmod(graph.stat().st_mode & 0o777)  # onnx creates it owner-only; readable as the graph is
-    return data.name
+    data = save_graph(load_graph(graph, weights=False), graph)
+    return None if data is None else data.name  # None: no initializer of 1 KiB or more
 
 
 ALIGN = 4096  # offsets of tensors rewritten by share_weights: page-aligned, as mapping wants them
@@ -137,7 +140,7 @@ def share_weights(main: Path, other: Path) -> list[str]:
         own.write_bytes(bytes(kept))
     else:
         own.unlink(missing_ok=True)
-    onnx.save(model, str(other))
+    save_structure(model, other)
     return sorted(files)
 
 
@@ -186,7 +189,7 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
 
     from trtserve.engine_builder.activation_residual import add_residual_rows, takes_residual
 
-    model = onnx.load(str(graph))
+    model = load_graph(graph)
     int8 = {n.name for n in model.graph.node if n.op_type == "MatMulNBits"
             and ("*" in int8_activations or n.name in int8_activations)}
     with_residual = {n.name for n in model.graph.node if n.name not in int8 and takes_residual(n)
@@ -201,7 +204,7 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
         counts[key] = counts.get(key, 0) + 1
     add_residual_rows(model, with_residual)
     _gather_block_quantized(model)
-    onnx.save(model, str(graph))
+    save_graph(model, graph)
     return counts
 
 

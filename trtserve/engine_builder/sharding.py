@@ -65,7 +65,7 @@ def _export(module, args, names, outputs, shapes, out: Path) -> None:
 
     with torch.no_grad():
         torch.onnx.export(module, args, str(out), dynamo=True, opset_version=OPSET, input_names=names,
-                          output_names=outputs, dynamic_shapes=shapes, external_data=False, verbose=False)
+                          output_names=outputs, dynamic_shapes=shapes, external_data=True, verbose=False)
 
 
 def _export_all(model, tmp: Path) -> dict:
@@ -220,14 +220,13 @@ def _exports_cached(checkpoint: Path, model) -> tuple[Path, dict]:
 
 def _write_graphs(exports: Path, tmp: Path, graphs: dict, rewrite, int8_activations: frozenset | None = None) -> None:
     """Each fp32 export rewritten to tmp/NAME and optimized by ONNX Runtime to tmp/NAME.ort.onnx."""
-    import onnx
-
     from trtserve.engine_builder.onnxruntime import OPTIMIZED, build_ort
+    from trtserve.graph_files import load_graph, move_graph, save_graph
 
     for name in graphs:
-        onnx.save(rewrite(onnx.load(str(exports / name)), name), str(tmp / name))
+        save_graph(rewrite(load_graph(exports / name), name), tmp / name)
         build_ort(tmp / name, tmp, int8_activations)
-        (tmp / OPTIMIZED).rename(tmp / name.replace(".onnx", ".ort.onnx"))
+        move_graph(tmp / OPTIMIZED, tmp / name.replace(".onnx", ".ort.onnx"))
 
 
 def _parity(model, directory: Path, manifest: dict) -> dict:

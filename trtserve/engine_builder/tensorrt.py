@@ -68,9 +68,14 @@ def profiles_for(kind: str, shapes: Shapes, io: IO) -> list[Profile]:
 
 def expected_dtypes(onnx_path: Path) -> dict[str, str]:
     """Each node's float output type in the graph (the truth a strongly typed network must follow)."""
+    import tempfile
+
     import onnx
 
-    model = onnx.shape_inference.infer_shapes(onnx.load(str(onnx_path)))
+    with tempfile.TemporaryDirectory(prefix="trtserve-shapes-") as scratch:  # by path: a graph past 2 GB
+        inferred = Path(scratch) / "inferred.onnx"
+        onnx.shape_inference.infer_shapes_path(str(onnx_path), str(inferred))
+        model = onnx.load(str(inferred), load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.value_info, *model.graph.output)}
     types.update({t.name: t.data_type for t in model.graph.initializer})
     expected = {}

@@ -267,9 +267,8 @@ class _Session:
 
     def _emulation(self, config: Config):
         """ONNX Runtime on the fp16 emulation graph: what an fp16 GPU would compute (fidelity only)."""
-        import onnx
-
         from trtserve.fileio import cache_root
+        from trtserve.graph_files import save_graph
         from trtserve.precision.run import emulation_of
         from trtserve.runtime.ort import OrtBackend
 
@@ -277,7 +276,7 @@ class _Session:
         graph = cache_root() / "eval" / "emulation" / f"{engine.manifest.onnx.sha256[:16]}.onnx"
         if not graph.is_file():
             graph.parent.mkdir(parents=True, exist_ok=True)
-            onnx.save(emulation_of(engine), str(graph))
+            save_graph(emulation_of(engine), graph)
         return OrtBackend(engine, graph=graph)
 
     def _feeds(self, config: Config, backend) -> dict:

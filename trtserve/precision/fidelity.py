@@ -46,36 +46,62 @@ def perplexity(logits: np.ndarray, input_ids: np.ndarray, mask: np.ndarray) -> f
     row at a time in float64)."""
     nll = []
     for row in range(logits.shape[0]):
-        x = logits[row, :-1].astype(np.float64)  # (S-1, V)
         valid = (mask[row, 1:] * mask[row, :-1]).astype(bool)
-        top = x.max(-1, keepdims=True)
-        log_z = np.log(np.exp(x - top).sum(-1)) + top[..., 0]
-        picked = np.take_along_axis(x, input_ids[row, 1:, None], -1)[..., 0]
-        nll.append((log_z - picked)[valid])
+        nll.append(next_token_nll(logits[row, :-1][valid], input_ids[row, 1:][valid]))
     return float(np.exp(np.concatenate(nll).mean()))
 
 
 def compare(ref: np.ndarray, out: np.ndarray, rows: int = 256) -> dict:
     """The metrics every tensor comparison reports, in one pass over chunks of `rows` rows of the last
     axis (float64 per chunk: a whole [tokens, vocab] pair in float64 would take gigabytes)."""
-    a_all = ref.reshape(-1, ref.shape[-1]) if ref.ndim else ref.reshape(1, 1)
-    b_all = out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1)
-    worst, dot, sq_a, sq_b, finite, peaks = 1.0, 0.0, 0.0, 0.0, True, [0.0]
-    for start in range(0, a_all.shape[0], rows):
-        a, b = a_all[start:start + rows].astype(np.float64), b_all[start:start + rows].astype(np.float64)
-        finite = finite and bool(np.isfinite(b).all())
-        with np.errstate(invalid="ignore", over="ignore"):
-            peaks.append(float(np.max(np.abs(a - b))) if a.size else 0.0)
-            dot, sq_a, sq_b = dot + float((a * b).sum()), sq_a + float((a * a).sum()), sq_b + float((b * b).sum())
-        norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-        denom = norm_a * norm_b
-        both_zero = (norm_a == 0) & (norm_b == 0)
-        cos = np.where(denom > 0, (a * b).sum(1) / np.where(denom > 0, denom, 1), np.where(both_zero, 1.0, 0.0))
-        worst = min(worst, float(cos.min())) if cos.size else worst
-    denom = np.sqrt(sq_a) * np.sqrt(sq_b)
-    return {
-        "max_abs_error": float(np.max(peaks)),  # NaN where any difference is NaN
-        "cosine": float(dot / denom) if denom else float(np.array_equal(ref, out)),
-        "worst_row_cosine": worst if finite else float("nan"),
-        "nonfinite": nonfinite_count(out),
-    }
+    tally = Tally()
+    tally.add(ref, out, rows)
+    return tally.result()
+
+
+class Tally:
+    """`compare`'s metrics over rows that arrive a chunk at a time (logits of a long sequence are never held
+    whole: vocabulary x length x rows of them is gigabytes at 262k tokens)."""
+
+    def __init__(self):
+        self.worst, self.dot, self.sq_a, self.sq_b, self.peak = 1.0, 0.0, 0.0, 0.0, 0.0
+        self.finite, self.equal, self.nonfinite = True, True, 0
+
+    def add(self, ref: np.ndarray, out: np.ndarray, rows: int = 256) -> None:
+        a_all = ref.reshape(-1, ref.shape[-1]) if ref.ndim else ref.reshape(1, 1)
+        b_all = out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1)
+        self.nonfinite += nonfinite_count(out)
+        for start in range(0, a_all.shape[0], rows):
+            a, b = a_all[start:start + rows].astype(np.float64), b_all[start:start + rows].astype(np.float64)
+            self.finite = self.finite and bool(np.isfinite(b).all())
+            self.equal = self.equal and bool(np.array_equal(a, b))
+            with np.errstate(invalid="ignore", over="ignore"):
+                if a.size:  # NaN where any difference is NaN
+                    self.peak = float(np.max([self.peak, np.max(np.abs(a - b))]))
+                self.dot += float((a * b).sum())
+                self.sq_a, self.sq_b = self.sq_a + float((a * a).sum()), self.sq_b + float((b * b).sum())
+            norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+            denom = norm_a * norm_b
+            both_zero = (norm_a == 0) & (norm_b == 0)
+            cos = np.where(denom > 0, (a * b).sum(1) / np.where(denom > 0, denom, 1), np.where(both_zero, 1.0, 0.0))
+            self.worst = min(self.worst, float(cos.min())) if cos.size else self.worst
+
+    def result(self) -> dict:
+        denom = np.sqrt(self.sq_a) * np.sqrt(self.sq_b)
+        return {
+            "max_abs_error": self.peak,
+            "cosine": float(self.dot / denom) if denom else float(self.equal),
+            "worst_row_cosine": self.worst if self.finite else float("nan"),
+            "nonfinite": self.nonfinite,
+        }
+
+
+def next_token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per row of (N, V) logits, in float64 a row block at a time."""
+    out = np.empty(len(targets), np.float64)
+    for start in range(0, len(targets), 256):
+        x = logits[start:start + 256].astype(np.float64)
+        top = x.max(-1, keepdims=True)
+        log_z = np.log(np.exp(x - top).sum(-1)) + top[..., 0]
+        out[start:start + 256] = log_z - np.take_along_axis(x, targets[start:start + 256, None], -1)[..., 0]
+    return out

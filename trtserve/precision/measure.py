@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from trtserve.precision.fidelity import compare, perplexity, top1_agreement
+from trtserve.precision.fidelity import Tally, compare, next_token_nll, top1_agreement
 from trtserve.runtime import generate
 from trtserve.runtime.base import Backend
 
@@ -145,10 +145,10 @@ def wide_shapes(lengths, max_batch: int) -> list[tuple[str, int, int]]:
     return shapes
 
 
-def _wide_rows(backend, tokenizer, corpus: Corpus, kind: str, batch: int, length: int, left: bool):
+def _wide_rows(engine, tokenizer, corpus: Corpus, kind: str, batch: int, length: int, left: bool):
     """Token ids and mask of one wide shape: rows past the first half padded by 1/8, 1/4, 1/2, 3/4."""
     if kind == "random":
-        vocab = backend.engine.manifest.model.architecture.vocab_size
+        vocab = engine.manifest.model.architecture.vocab_size
         rng = np.random.default_rng([batch, length])
         ids = random_ids(vocab, rng, (batch, length))
     else:
@@ -198,8 +198,8 @@ def grid_ids(engine, kind: str, batch: int, length: int, seed: int) -> np.ndarra
     return np.array(rows, dtype=np.int64)
 
 
-def _grid_rows(backend, kind: str, batch: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = grid_ids(backend.engine, kind, batch, length, seed)
+def _grid_rows(engine, kind: str, batch: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = grid_ids(engine, kind, batch, length, seed)
     return ids, np.ones_like(ids)
 
 
@@ -218,10 +218,10 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
         ids[1, length - length // 4:] = tokenizer.pad_token_id or 0
         cases[f"seq{length}"] = case(backend, ref_model, ids, mask)
     for kind, batch, length in wide_shapes(lengths, backend.engine.manifest.shapes.batch.max) if wide else ():
-        ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=False)
+        ids, mask = _wide_rows(backend.engine, tokenizer, corpus, kind, batch, length, left=False)
         cases[_label(kind, batch, length)] = {"input": kind, **case(backend, ref_model, ids, mask)}
     for name, kind, batch, length, seed in grid:
-        ids, mask = _grid_rows(backend, kind, batch, length, seed)
+        ids, mask = _grid_rows(backend.engine, kind, batch, length, seed)
         cases[f"{name} {_label(kind, batch, length)}"] = {"input": kind,
                                                           **case(backend, ref_model, ids, mask)}
     if scorer:
@@ -363,84 +363,135 @@ def neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([len(set(p) & set(q)) / k for p, q in zip(*tops)])) if k > 0 else 1.0
 
 
-def decoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corpus, decode: bool = True,
-                   wide: bool = True, grid=()) -> dict:
-    cases = {f"seq{length}": _decoder_prefill(backend, ref_model, tokenizer, length, corpus) for length in lengths}
-    for kind, batch, length in wide_shapes(lengths, backend.engine.manifest.shapes.batch.max) if wide else ():
-        ids, mask = _wide_rows(backend, tokenizer, corpus, kind, batch, length, left=True)
-        cases[_label(kind, batch, length)] = {"input": kind,
-                                              **_decoder_case(backend, ref_model, ids, mask, real=kind == "real")}
+@dataclass(frozen=True)
+class DecoderInput:
+    """One case of a decoder's report: its label, (B, S) ids and mask, whether it is real text (judged by top-1
+    and perplexity too), and the report's `input` entry ("random" or "real"; None for the real-text lengths)."""
+
+    label: str
+    ids: np.ndarray
+    mask: np.ndarray
+    real: bool
+    kind: str | None = None
+
+
+def decoder_inputs(engine, tokenizer, lengths, corpus: Corpus, wide: bool = True, grid=()) -> list[DecoderInput]:
+    """The cases a decoder's report measures: real text at each length, then the wide shapes and the grid's."""
+    out = [DecoderInput(f"seq{n}", *_prefill_rows(tokenizer, n, corpus), real=True) for n in lengths]
+    for kind, batch, length in wide_shapes(lengths, engine.manifest.shapes.batch.max) if wide else ():
+        ids, mask = _wide_rows(engine, tokenizer, corpus, kind, batch, length, left=True)
+        out.append(DecoderInput(_label(kind, batch, length), ids, mask, kind == "real", kind))
     for name, kind, batch, length, seed in grid:
-        ids, mask = _grid_rows(backend, kind, batch, length, seed)
-        cases[f"{name} {_label(kind, batch, length)}"] = {
-            "input": kind, **_decoder_case(backend, ref_model, ids, mask, real=kind == "real")}
-    if not decode:
-        return {"text": corpus.name, "cases": cases}
-    max_total = backend.engine.manifest.shapes.total_sequence.max
-    prompt = min(DECODE_PROMPT, max_total - DECODE_STEPS)
-    return {"text": corpus.name, "cases": cases, "decode": _decoder_decode(backend, ref_model, tokenizer, prompt, corpus)}
+        ids, mask = _grid_rows(engine, kind, batch, length, seed)
+        out.append(DecoderInput(f"{name} {_label(kind, batch, length)}", ids, mask, kind == "real", kind))
+    return out
 
 
-def _decoder_prefill(backend, ref_model, tokenizer, length: int, corpus: Corpus) -> dict:
+def decode_prompt(engine, tokenizer, corpus: Corpus) -> np.ndarray:
+    """The decode case's two prompts of real text, DECODE_STEPS short of the engine's context at most."""
+    prompt = min(DECODE_PROMPT, engine.manifest.shapes.total_sequence.max - DECODE_STEPS)
+    return np.array(corpus.rows(tokenizer, 2, prompt, special=False), dtype=np.int64)
+
+
+def decoder_report(backend: Backend, reference, inputs: list[DecoderInput], prompt: np.ndarray | None,
+                   text: str) -> dict:
+    """Each input through the engine against `reference` (precision.reference.Reference, prepared on the same
+    inputs), and the decode case where a prompt is given."""
+    cases = {}
+    for case in inputs:
+        measured = _decoder_case(backend, reference, case.ids, case.mask, case.real)
+        cases[case.label] = measured if case.kind is None else {"input": case.kind, **measured}
+    if prompt is None:
+        return {"text": text, "cases": cases}
+    return {"text": text, "cases": cases, "decode": _decoder_decode(backend, reference, prompt)}
+
+
+def _prefill_rows(tokenizer, length: int, corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
     batch = 2 if length <= 512 else 1
     ids = np.array(corpus.rows(tokenizer, batch, length, special=False), dtype=np.int64)
     mask = np.ones_like(ids)
     if batch > 1:  # row 1 left-padded: covers padding masks and per-row positions
         ids[1, : length // 4] = tokenizer.pad_token_id or 0
         mask[1, : length // 4] = 0
-    return _decoder_case(backend, ref_model, ids, mask, real=True)
+    return ids, mask
 
 
-def _decoder_case(backend, ref_model, ids: np.ndarray, mask: np.ndarray, real: bool) -> dict:
-    """Logits of every kept position against the reference; top-1 and perplexity on real text only
-    (random ids have flat next-token distributions whose near-ties make both meaningless)."""
-    import torch
+LOGIT_BYTES = 1 << 27  # fp32 logits held per side at a time (128 MiB): positions are compared in chunks of that
 
-    logits = generate.step(backend, generate.start(backend, ids.shape[0]), ids, mask)
-    with torch.inference_mode():
-        ref = ref_model(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            position_ids=torch.from_numpy(generate.positions_from_mask(mask)),
-        ).logits.numpy()
-    return logits_case(ref, logits, ids, mask, real)
+
+def position_chunk(batch: int, vocab: int) -> int:
+    """How many positions of (batch, vocab) logits one chunk of the comparison takes (at least 16)."""
+    return max(16, LOGIT_BYTES // (4 * batch * vocab))
+
+
+def _decoder_case(backend, reference, ids: np.ndarray, mask: np.ndarray, real: bool) -> dict:
+    """Logits of every kept position against the reference, a chunk of positions at a time: the engine prefills
+    the chunk over the cache of those before it (as the server's chunked prefill does), the reference's LM head
+    reads the chunk's rows of its hidden states. Top-1 and perplexity on real text only (random ids have flat
+    next-token distributions whose near-ties make both meaningless)."""
+    case = LogitsCase(ids, mask, real)
+    state = generate.start(backend, ids.shape[0])
+    chunk = position_chunk(ids.shape[0], backend.engine.manifest.model.architecture.vocab_size)
+    for start in range(0, ids.shape[1], chunk):
+        end = min(start + chunk, ids.shape[1])
+        out = generate.step(backend, state, ids[:, start:end], mask[:, start:end])
+        case.add(start, reference.logits(ids, mask, start, end), out)
+    return case.result()
+
+
+class LogitsCase:
+    """A decoder case accumulated from chunks of positions: (B, c, V) logits of the reference and the engine at
+    positions start..start+c of the same (B, S) ids."""
+
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, real: bool):
+        self.ids, self.keep, self.real = ids, mask.astype(bool), real
+        self.tally, self.agree, self.count = Tally(), 0, 0
+        self.nll = {"ref": [], "out": []}
+
+    def add(self, start: int, ref: np.ndarray, out: np.ndarray) -> None:
+        end = start + ref.shape[1]
+        keep = self.keep[:, start:end]
+        ref_rows, out_rows = ref[keep], out[keep]
+        self.tally.add(ref_rows, out_rows)
+        if not self.real:
+            return
+        self.agree += int(np.sum(ref_rows.argmax(-1) == out_rows.argmax(-1)))
+        self.count += len(ref_rows)
+        stop = min(end, self.ids.shape[1] - 1)  # the last position has no next token
+        scored = self.keep[:, start:stop] & self.keep[:, start + 1:stop + 1]
+        targets = self.ids[:, start + 1:stop + 1][scored]
+        for name, logits in (("ref", ref), ("out", out)):
+            self.nll[name].append(next_token_nll(logits[:, :stop - start][scored], targets))
+
+    def result(self) -> dict:
+        case = {"batch": int(self.ids.shape[0]), "tokens": int(self.keep.sum()), "logits": self.tally.result()}
+        if self.real:
+            ppl_ref, ppl_out = (float(np.exp(np.concatenate(self.nll[k]).mean())) for k in ("ref", "out"))
+            case.update({
+                "top1_agreement": self.agree / self.count if self.count else 1.0,
+                "perplexity_torch": ppl_ref,
+                "perplexity_engine": ppl_out,
+                "perplexity_rel_delta": abs(ppl_out - ppl_ref) / ppl_ref if np.isfinite(ppl_out) else float("inf"),
+            })
+        return case
 
 
 def logits_case(ref: np.ndarray, logits: np.ndarray, ids: np.ndarray, mask: np.ndarray, real: bool) -> dict:
-    """A decoder case from [B, S, V] logits and the reference's on the same ids: the logits of every kept
-    position compared; top-1 and perplexity on real text only."""
-    keep = mask.astype(bool)
-    case = {"batch": int(ids.shape[0]), "tokens": int(keep.sum()), "logits": compare(ref[keep], logits[keep])}
-    if real:
-        ppl_ref, ppl_out = perplexity(ref, ids, mask), perplexity(logits, ids, mask)
-        case.update({
-            "top1_agreement": top1_agreement(ref[keep], logits[keep]),
-            "perplexity_torch": ppl_ref,
-            "perplexity_engine": ppl_out,
-            "perplexity_rel_delta": abs(ppl_out - ppl_ref) / ppl_ref if np.isfinite(ppl_out) else float("inf"),
-        })
-    return case
+    """A decoder case from whole [B, S, V] logits and the reference's on the same ids."""
+    case = LogitsCase(ids, mask, real)
+    case.add(0, ref, logits)
+    return case.result()
 
 
-def _decoder_decode(backend, ref_model, tokenizer, prompt_len: int, corpus: Corpus) -> dict:
+def _decoder_decode(backend, reference, ids: np.ndarray) -> dict:
     """HF `generate` (greedy, its own KV cache) vs the engine fed the same tokens step by step."""
-    import torch
-
-    ids = np.array(corpus.rows(tokenizer, 2, prompt_len, special=False), dtype=np.int64)
+    ref_tokens, ref_logits = reference.decoded(ids)
     mask = np.ones_like(ids)
-    with torch.inference_mode():
-        out = ref_model.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-            max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id or 0,
-        )
-    ref_tokens = out.sequences[:, ids.shape[1]:].numpy()
-    ref_logits = torch.stack(out.logits, 1).numpy()  # (B, steps, V)
     _, logits = generate.greedy(backend, ids, mask, DECODE_STEPS, forced=ref_tokens)
     free_tokens, _ = generate.greedy(backend, ids, mask, DECODE_STEPS)
     return {
-        "batch": 2,
-        "prompt": prompt_len,
+        "batch": int(ids.shape[0]),
+        "prompt": int(ids.shape[1]),
         "steps": DECODE_STEPS,
         "logits": compare(ref_logits, logits),
         "top1_agreement": top1_agreement(ref_logits, logits),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trtserve.graph_files import graph_on_disk
 from trtserve.precision.passes import FP16_MAX, plan_policy
 from trtserve.precision.policy import Policy
 
@@ -48,7 +49,8 @@ def activation_ranges(model, feeds_list) -> Ranges:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every node as exported
     options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    with graph_on_disk(model) as path:  # by path: a graph past 2 GB cannot be handed over as bytes
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     absmax: dict[str, float] = {}
     over: dict[str, int] = {}

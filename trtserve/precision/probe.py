@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtserve.graph_files import graph_on_disk
 from trtserve.precision.overflow import activation_ranges, flagged
 from trtserve.precision.policy import Policy
 
@@ -56,9 +57,10 @@ def real_vs_random(source, model, policy: Policy, tokenizer, corpus, length: int
     past = (source.info.num_kv_heads, source.info.head_dim)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    reference = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    emulated = ort.InferenceSession(emulation_model(model, policy).SerializeToString(), options,
-                                    providers=["CPUExecutionProvider"])
+    with graph_on_disk(model) as path:  # by path: a graph past 2 GB cannot be handed over as bytes
+        reference = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    with graph_on_disk(emulation_model(model, policy)) as path:
+        emulated = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     out_name = _output_name(source)
     report = {}
     for kind in ("real", "random"):

@@ -24,37 +24,51 @@ class Harness:
 
     def __init__(self, engine, source, target, calibration=None):
         from trtserve.models.loading import load_hf_tokenizer, load_torch_model
-        from trtserve.precision.measure import Corpus, decoder_report, encoder_report
+        from trtserve.precision.measure import Corpus
+        from trtserve.precision.reference import Reference
 
         self.engine, self.target = engine, target
         self.corpus = Corpus.from_file(calibration) if calibration else Corpus.wikipedia()
         self.lengths = lengths_for(engine.manifest.shapes.sequence.max)
         self.kind = source.info.kind
-        self.report_fn = decoder_report if self.kind == "decoder" else encoder_report  # scorers: encoder_report
         self.grid_shapes = []  # (name, input, batch, length, seed) from --confirm-grid, measured with `wide`
-        self.reference = load_torch_model(source, attention="eager")
+        # the torch fp32 model, loaded at its first use: the build's steps before the first measurement (ONNX
+        # Runtime's optimization of a model as large) run without it in memory
+        self.references = Reference(lambda: load_torch_model(source, attention="eager"))
         self.tokenizer = load_hf_tokenizer(source.path)
+
+    @property
+    def reference(self):
+        """The torch fp32 model (what the sensitivity search runs, and encoders are measured against)."""
+        return self.references.model
 
     def run(self, graph=None, decode: bool = True, lengths=None, wide: bool = True, backend=None) -> dict:
         """Measure the engine's own graph on ONNX Runtime, or `graph` (an emulation model) in its place, or the
         engine on `backend` (another backend of it, which the caller closes). `wide`: also the random-id and
-        batch-8 shapes (`measure.wide_shapes`), not only the real-text cases."""
-        from trtserve.precision.measure import failures
+        batch-8 shapes (`measure.wide_shapes`), not only the real-text cases. A decoder's reference runs first,
+        and only its LM head stays in memory while the engine runs (precision.reference)."""
+        from trtserve.precision.measure import decode_prompt, decoder_inputs, decoder_report, encoder_report, failures
         from trtserve.runtime.ort import OrtBackend
 
+        lengths, grid = lengths or self.lengths, self.grid_shapes if wide else ()
+        if self.kind == "decoder":
+            inputs = decoder_inputs(self.engine, self.tokenizer, lengths, self.corpus, wide, grid)
+            prompt = decode_prompt(self.engine, self.tokenizer, self.corpus) if decode else None
+            self.references.prepare([(case.ids, case.mask) for case in inputs], prompt,
+                                    self.tokenizer.pad_token_id or 0)
         with tempfile.TemporaryDirectory(prefix="trtserve-emulation-") as scratch:
             path = None
             if graph is not None:
-                import onnx
+                from trtserve.graph_files import save_graph
 
                 path = Path(scratch) / "emulation.onnx"
-                onnx.save(graph, str(path))
-            measured = backend or OrtBackend(self.engine, graph=path)
-            kwargs = {"wide": wide, "grid": self.grid_shapes if wide else ()}
+                save_graph(graph, path)
+            measured = backend or OrtBackend(self.engine, graph=path, arena=False)
             if self.kind == "decoder":
-                kwargs["decode"] = decode
-            report = self.report_fn(measured, self.reference, self.tokenizer, lengths or self.lengths, self.corpus,
-                                    **kwargs)
+                report = decoder_report(measured, self.references, inputs, prompt, self.corpus.name)
+            else:  # encoders and scorers
+                report = encoder_report(measured, self.reference, self.tokenizer, lengths, self.corpus, wide=wide,
+                                        grid=grid)
             if backend is None:
                 measured.close()
         report["failures"] = failures(report, self.target)

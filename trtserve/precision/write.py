@@ -15,7 +15,6 @@ graph into the graph that is served, and the engine that is measured.
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from trtserve.errors import TrtServeError
 from trtserve.fileio import cache_root, sha256_file
+from trtserve.graph_files import copy_graph, load_graph, save_graph
 from trtserve.precision.measure import Target
 from trtserve.precision.policy import POLICIES, get_policy
 from trtserve.progress import say, step
@@ -190,11 +190,12 @@ class _Float(_Strategy):
         from trtserve.precision.passes import apply_policy
 
         if self.policy.name == "fp32":
-            shutil.copyfile(self.gate.fp32_graph, self.gate.out)
+            copy_graph(self.gate.fp32_graph, self.gate.out)
             return {}
         with step(f"writing the {self.policy.name} precision policy into the graph"):
-            mixed, report = apply_policy(onnx.load(str(self.gate.fp32_graph)), self.policy)
-            onnx.save(mixed, str(self.gate.out))
+            mixed, report = apply_policy(load_graph(self.gate.fp32_graph), self.policy)
+            save_graph(mixed, self.gate.out)
+            del mixed
             onnx.checker.check_model(str(self.gate.out), full_check=True)
         say(f"precision: {self.policy.name}: {sum(report.low_nodes.values())} nodes low, "
             f"{sum(report.fp32_nodes.values())} fp32, {report.casts_inserted} casts, patterns kept fp32: "
@@ -218,8 +219,9 @@ class _Blocked(_Strategy):
         import onnx
 
         with step(self.label):
-            model, report = self.rewrite(onnx.load(str(self.gate.fp32_graph)), keep, kept)
-            onnx.save(model, str(self.gate.out))
+            model, report = self.rewrite(load_graph(self.gate.fp32_graph), keep, kept)
+            save_graph(model, self.gate.out)
+            del model
             onnx.checker.check_model(str(self.gate.out), full_check=True)
         formats = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(
             v["format"] for v in [*report["gemms"].values(), *report["embeddings"].values()]).items()))

@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 class OrtBackend:
     name = "onnxruntime"
 
-    def __init__(self, engine: EngineDir, threads: int | None = None, graph=None):
-        """`graph` overrides the engine's graph (used to run a fidelity emulation graph)."""
+    def __init__(self, engine: EngineDir, threads: int | None = None, graph=None, arena: bool = True):
+        """`graph` overrides the engine's graph (used to run a fidelity emulation graph). `arena=False`: every
+        activation freed after its run (a measurement over many shapes, whose arena would grow to hold each
+        shape's buffers, never returned, where a server's shapes repeat)."""
         import onnxruntime as ort
 
         self.engine = engine
@@ -31,6 +33,7 @@ class OrtBackend:
         options.intra_op_num_threads = threads or available_cores()
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
+        options.enable_cpu_mem_arena = arena
         same_build = entry is not None and (entry.onnxruntime_version, entry.machine) == (ort.__version__,
                                                                                           platform.machine())
         if graph is not None:

@@ -1,0 +1,97 @@
+"""The torch fp32 reference of a decoder's fidelity report, computed before the engine is loaded and kept small.
+
+The reference model is as large as the engine it judges. Holding both would double a build's memory, so every
+input of a report is run through the reference first, keeping only what the comparison needs: each input's final
+hidden states (B, S, hidden) and the greedy continuation's tokens and logits. Then the model is released but for
+its LM head, which turns a chunk of positions of those hidden states into logits while the engine computes the
+same chunk. Results are keyed by the input's ids and mask, so a build that measures several tries computes each
+reference once.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+
+from trtserve.precision.measure import DECODE_STEPS
+from trtserve.runtime.generate import positions_from_mask
+
+
+def _key(*arrays: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(str((array.shape, array.dtype.str)).encode() + np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+class Reference:
+    """`load()` gives the torch model (fp32, eval mode, eager attention)."""
+
+    def __init__(self, load: Callable):
+        self._load, self._model = load, None
+        self._head, self._cap = None, None
+        self._hidden: dict[str, object] = {}  # key -> (B, S, hidden) torch tensor
+        self._decoded: dict[str, tuple] = {}  # key -> (tokens (B, steps), logits (B, steps, V))
+
+    @property
+    def model(self):
+        """The whole model (loaded again where it was released)."""
+        if self._model is None:
+            self._model = self._load()
+            self._head = None
+        return self._model
+
+    def prepare(self, inputs, decode_ids: np.ndarray | None = None, pad_id: int = 0) -> None:
+        """Run the reference on each (ids, mask) of `inputs` and, with `decode_ids`, its greedy continuation, where
+        not already done; then release all of the model but its LM head."""
+        import torch
+
+        for ids, mask in inputs:
+            key = _key(ids, mask)
+            if key not in self._hidden:
+                with torch.inference_mode():
+                    self._hidden[key] = self.model.get_decoder()(
+                        input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                        position_ids=torch.from_numpy(positions_from_mask(mask))).last_hidden_state
+        if decode_ids is not None and _key(decode_ids) not in self._decoded:
+            self._decoded[_key(decode_ids)] = self._greedy(decode_ids, pad_id)
+        self.release()
+
+    def _greedy(self, ids: np.ndarray, pad_id: int) -> tuple:
+        """HF `generate` (greedy, its own KV cache) from (B, P) ids: (tokens (B, steps), logits (B, steps, V))."""
+        import torch
+
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=torch.from_numpy(ids), attention_mask=torch.ones_like(torch.from_numpy(ids)),
+                max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=pad_id)
+        return out.sequences[:, ids.shape[1]:].numpy(), torch.stack(out.logits, 1).numpy()
+
+    def release(self) -> None:
+        """Drop the model but its LM head (and the final soft cap some families apply after it)."""
+        if self._model is None:
+            return
+        self._head = self._model.get_output_embeddings()
+        self._cap = getattr(self._model.config, "final_logit_softcapping", None)
+        self._model = None
+        gc.collect()
+
+    def logits(self, ids: np.ndarray, mask: np.ndarray, start: int, end: int) -> np.ndarray:
+        """(B, end - start, V) reference logits at positions start..end of a prepared input."""
+        import torch
+
+        hidden = self._hidden[_key(ids, mask)]
+        head = self._head if self._model is None else self._model.get_output_embeddings()
+        cap = self._cap if self._model is None else getattr(self._model.config, "final_logit_softcapping", None)
+        with torch.inference_mode():
+            out = head(hidden[:, start:end])
+            if cap:
+                out = torch.tanh(out / cap) * cap
+        return out.float().numpy()
+
+    def decoded(self, ids: np.ndarray) -> tuple:
+        return self._decoded[_key(ids)]
