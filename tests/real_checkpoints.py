@@ -122,6 +122,7 @@ def shaped_folder(name: str, cache: Path | None = None) -> Path:
     with torch.device("meta"):
         model = getattr(transformers, model_class)(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model.tie_weights()  # to_empty gives the tied head a tensor of its own: one table again, as the config says
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
