@@ -51,9 +51,17 @@ def perplexity(logits: np.ndarray, input_ids: np.ndarray, mask: np.ndarray) -> f
     return float(np.exp(np.concatenate(nll).mean()))
 
 
-def compare(ref: np.ndarray, out: np.ndarray, rows: int = 256) -> dict:
-    """The metrics every tensor comparison reports, in one pass over chunks of `rows` rows of the last
-    axis (float64 per chunk: a whole [tokens, vocab] pair in float64 would take gigabytes)."""
+BLOCK_BYTES = 1 << 25  # float64 values of one block of rows (32 MiB): its temporaries are a few times that
+
+
+def block_rows(width: int, most: int = 256) -> int:
+    """Rows of `width` values per float64 block: 256 at a hidden size, 27 at a 151,936-token vocabulary."""
+    return max(1, min(most, BLOCK_BYTES // (8 * max(width, 1))))
+
+
+def compare(ref: np.ndarray, out: np.ndarray, rows: int | None = None) -> dict:
+    """The metrics every tensor comparison reports, in one pass over blocks of rows of the last axis (float64
+    per block of `block_rows`: a whole [tokens, vocab] pair in float64 would take gigabytes)."""
     tally = Tally()
     tally.add(ref, out, rows)
     return tally.result()
@@ -67,9 +75,10 @@ class Tally:
         self.worst, self.dot, self.sq_a, self.sq_b, self.peak = 1.0, 0.0, 0.0, 0.0, 0.0
         self.finite, self.equal, self.nonfinite = True, True, 0
 
-    def add(self, ref: np.ndarray, out: np.ndarray, rows: int = 256) -> None:
+    def add(self, ref: np.ndarray, out: np.ndarray, rows: int | None = None) -> None:
         a_all = ref.reshape(-1, ref.shape[-1]) if ref.ndim else ref.reshape(1, 1)
         b_all = out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1)
+        rows = rows or block_rows(a_all.shape[1])
         self.nonfinite += nonfinite_count(out)
         for start in range(0, a_all.shape[0], rows):
             a, b = a_all[start:start + rows].astype(np.float64), b_all[start:start + rows].astype(np.float64)
@@ -99,9 +108,10 @@ class Tally:
 def next_token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log softmax(logits)[target] per row of (N, V) logits, in float64 a row block at a time."""
     out = np.empty(len(targets), np.float64)
-    for start in range(0, len(targets), 256):
-        x = logits[start:start + 256].astype(np.float64)
+    rows = block_rows(logits.shape[-1])
+    for start in range(0, len(targets), rows):
+        x = logits[start:start + rows].astype(np.float64)
         top = x.max(-1, keepdims=True)
         log_z = np.log(np.exp(x - top).sum(-1)) + top[..., 0]
-        out[start:start + 256] = log_z - np.take_along_axis(x, targets[start:start + 256, None], -1)[..., 0]
+        out[start:start + rows] = log_z - np.take_along_axis(x, targets[start:start + rows, None], -1)[..., 0]
     return out
