@@ -90,20 +90,10 @@ def served_rss(engine: Path) -> float:
     import httpx
 
     from benchmarks.serve_memory import rss_mb
-    from tests.server_process import free_port
+    from tests.server_process import start_server, stop_server
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(engine, wait=900)  # a large engine's files are hashed before it loads
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         reply = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "The capital of France is",
                                                           "max_tokens": 16}, timeout=600)
@@ -112,8 +102,7 @@ def served_rss(engine: Path) -> float:
                              for w in m["workers"]]
         return sum(rss_mb(pid) for pid in pids)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(proc)
 
 
 def decode_speed(engine: Path, prompt: int, tokens: int, rounds: int) -> float:

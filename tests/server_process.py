@@ -20,17 +20,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(engine, *flags, env: dict | None = None, verify=None):
+def start_server(engine, *flags, env: dict | None = None, verify=None, wait: float = 120):
     """`env`: the server's whole environment (its worker processes inherit it); None: this one's. `verify`: the
-    CA file of a server that serves HTTPS (--ssl-certfile)."""
+    CA file of a server that serves HTTPS (--ssl-certfile). `wait`: seconds it has to answer /health."""
     port = free_port()
     return launch([sys.executable, "-m", "trtserve", "serve", str(engine), "--port", str(port), *flags], port,
-                  env=env, name="trtserve-server", verify=verify)
+                  env=env, name="trtserve-server", verify=verify, wait=wait)
 
 
-def launch(argv: list, port: int, env: dict | None = None, name: str = "server", verify=None):
+def launch(argv: list, port: int, env: dict | None = None, name: str = "server", verify=None, wait: float = 120):
     """Start a server that listens on `port` (its output to a log file, `proc.log_path`); (process, url) once
-    its /health answers 200, within 120 s. `verify`: HTTPS, checked against this CA file."""
+    its /health answers 200, within `wait` seconds. `verify`: HTTPS, checked against this CA file."""
     # The log goes to a file: an unread pipe fills up after a few hundred access-log lines and
     # then blocks the server.
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
@@ -38,7 +38,7 @@ def launch(argv: list, port: int, env: dict | None = None, name: str = "server",
     proc.log_path = Path(log.name)
     url = f"{'https' if verify else 'http'}://127.0.0.1:{port}"
     checked = ssl.create_default_context(cafile=str(verify)) if verify else True
-    deadline = time.time() + 120
+    deadline = time.time() + wait
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"{name} exited: " + proc.log_path.read_text()[-3000:])
@@ -49,7 +49,7 @@ def launch(argv: list, port: int, env: dict | None = None, name: str = "server",
             pass
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError(f"{name} did not become healthy in 120 s")
+    raise AssertionError(f"{name} did not become healthy in {wait:g} s")
 
 
 def stop_server(proc):

@@ -61,7 +61,7 @@ def test_smollm2_int4_meets_the_int4_target(smollm2_int4):
     assert all("sensitivity" in v for v in graph["gemms"].values())
     assert [v["format"] for v in graph["embeddings"].values()] == ["int8"]
     files = manifest["files"]
-    assert files["model.onnx"]["size"] < 200e6  # the fp32 graph holds 540 MB of weights
+    assert files["model.onnx"]["size"] + files["model.onnx.data"]["size"] < 200e6  # the fp32 graph: 540 MB
     assert manifest["backend"]["int8_activations"]
     kv = manifest["backend"]["kv_graph"]  # checked against the optimized graph with fp32 activations in both
     assert kv["file"] == "model.kv.onnx" and kv["check"]["max_relative_difference"] < 1e-4, kv

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from trtserve.eval.grid import INPUTS, Config, Grid
+from trtserve.graph_files import graph_bytes
 from trtserve.progress import say
 
 RESULTS = "results.jsonl"
@@ -160,7 +161,7 @@ class _Session:
         row.update(status="ok", runs=len(samples), **_latency(samples, config), peak_rss_bytes=peak,
                    working_bytes=working, backend_load_bytes=loaded,
                    memory_bytes=None if working is None or loaded is None else working + loaded,
-                   engine_bytes=(engine.path / "model.onnx").stat().st_size,
+                   engine_bytes=graph_bytes(engine.path / "model.onnx"),  # its weights beside it included
                    engine_sha256=engine.manifest.onnx.sha256)
         if config.backend == "torch":  # kept for this shape's rows only: a decoder's logits are large
             self.references = {config.shape: output}
