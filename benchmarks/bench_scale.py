@@ -61,7 +61,7 @@ def parameters(folder: Path) -> int:
 
 
 def build(folder: Path, out: Path, precision: str, max_seq: int | None) -> dict:
-    """Build through the CLI under /usr/bin/time -v: seconds per stage, wall seconds, peak RSS (MB)."""
+    """Build through the CLI under /usr/bin/time -v: seconds per stage, wall seconds, peak RSS (MiB)."""
     command = ["/usr/bin/time", "-v", sys.executable, "-m", "trtserve", "build-engine", str(folder), "--out", str(out),
                "--precision", precision] + (["--max-seq", str(max_seq)] if max_seq else [])
     started = time.perf_counter()
@@ -73,7 +73,9 @@ def build(folder: Path, out: Path, precision: str, max_seq: int | None) -> dict:
     for line in (done.stdout + done.stderr).splitlines():
         found = DONE.match(line.strip())
         if found:
-            stage = next((s for s, starts in STAGES.items() if found.group(1).startswith(starts)), None)
+            matches = [(len(start), stage) for stage, starts in STAGES.items() for start in starts
+                       if found.group(1).startswith(start)]
+            stage = max(matches)[1] if matches else None  # the longest prefix: "writing the decode graph"
             if stage:
                 stages[stage] += float(found.group(2))
     peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
@@ -86,7 +88,7 @@ def engine_mb(engine: Path) -> float:
 
 
 def served_rss(engine: Path) -> float:
-    """The server's and its workers' resident memory (MB) after load and one 16-token completion."""
+    """The server's and its workers' resident memory (MiB) after load and one 16-token completion."""
     import httpx
 
     from benchmarks.serve_memory import rss_mb
@@ -134,7 +136,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print("| model | parameters | precision | export s | precision s | gate s | decode graph s | s per B params "
-          "(export / precision / gate / decode graph) | build wall | build peak RSS | engine on disk | server RSS | "
+          "(export / precision / gate / decode graph) | build wall | build peak RSS (GiB) | engine on disk (GB) | "
+          "server RSS (GiB) | "
           "decode tok/s (batch 1) |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for name in args.checkpoint:
@@ -149,11 +152,11 @@ def main() -> None:
                 st = built["stages"]
                 per_b = " / ".join(f"{st[s] / (count / 1e9):.0f}" for s in STAGES)
                 cells = [f"{st[s]:.0f}" for s in STAGES] + [per_b, f"{built['wall']:.0f} s",
-                                                            f"{built['peak_mb'] / 1024:.2f} GB"]
+                                                            f"{built['peak_mb'] / 1024:.2f}"]
             else:
                 cells = ["(reused)"] * 4 + ["", "", ""]
             print(f"| {name} | {count / 1e9:.3f} B | {precision} | " + " | ".join(cells)
-                  + f" | {engine_mb(engine) / 1e3:.2f} GB | {rss / 1024:.2f} GB | {speed:.1f} |", flush=True)
+                  + f" | {engine_mb(engine) / 1e3:.2f} | {rss / 1024:.2f} | {speed:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
