@@ -112,7 +112,7 @@ def save_graph(model, path: Path, base: Path | None = None) -> Path | None:
                 out.write(data)
                 moved.append((tensor, _detach(tensor, final.name, offset, len(data))))
                 offset += len(data)
-        _write_structure(model, path)
+        save_structure(model, path)
     finally:
         for tensor, held in moved:
             _restore(tensor, held)
@@ -177,8 +177,10 @@ def _restore(tensor, held: tuple) -> None:
         tensor.raw_data = payload
 
 
-def _write_structure(model, path: Path) -> None:
-    """Serialize `model` (its weights already external) to `path`, refusing a message past the limit."""
+def save_structure(model, path: Path) -> None:
+    """Serialize `model` to `path` as it is, its external tensors pointing where they already point (files beside
+    `path`), refusing a message past the limit: for a rewrite of a graph's nodes that leaves its weights as they
+    are, and the structure save_graph writes."""
     size = model.ByteSize()
     if size > proto_limit():
         big = sorted(((_stored_size(t), t.name) for t in _tensors(model) if not is_external(t)), reverse=True)[:3]
@@ -187,12 +189,6 @@ def _write_structure(model, path: Path) -> None:
                             f"{', '.join(f'{n} {s:,} B' for s, n in big)}); this is a bug in trtserve")
     with open(path, "wb") as handle:
         handle.write(model.SerializeToString())
-
-
-def save_structure(model, path: Path) -> None:
-    """Write `model`'s structure to `path`, its external tensors pointing where they already point (files beside
-    `path`): for a rewrite of a graph's nodes that leaves its weights as they are."""
-    _write_structure(model, Path(path))
 
 
 def copy_graph(source: Path, target: Path) -> None:
@@ -206,7 +202,7 @@ def copy_graph(source: Path, target: Path) -> None:
             for tensor in _tensors(model):
                 if is_external(tensor):
                     _set_location(tensor, data_path(target).name)
-        _write_structure(model, target)
+        save_structure(model, target)
         return
     save_graph(model, target, base=source.parent)
 
@@ -222,7 +218,7 @@ def move_graph(source: Path, target: Path) -> None:
         os.replace(data_path(source), data_path(target))
         for tensor in external:
             _set_location(tensor, data_path(target).name)
-    _write_structure(model, target)
+    save_structure(model, target)
     if source != target:
         source.unlink()
 

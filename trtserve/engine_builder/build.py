@@ -3,6 +3,7 @@ TensorRT plan -> the fidelity gate), each adding its part of the manifest, seale
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import platform
@@ -228,8 +229,6 @@ def _decode_graph_step(d: _Draft) -> dict:
         return {}
     from trtserve.engine_builder.kv_graph import build_kv
 
-    import gc
-
     d.harness = None  # a decoder's torch reference (the fp32 model) is not needed past its gate: not held twice
     gc.collect()
 
@@ -330,8 +329,6 @@ def _export_cached(source: ModelSource, source_hash: str) -> Path:
 
 
 def _export(source: ModelSource, path: Path) -> None:
-    import gc
-
     import onnx
 
     from trtserve.engine_builder.export import export_onnx

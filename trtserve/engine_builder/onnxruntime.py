@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from trtserve.graph_files import DATA_SUFFIX, WEIGHT_BYTES, load_graph, save_graph, save_structure
+from trtserve.graph_files import DATA_SUFFIX, PAGE, WEIGHT_BYTES, load_graph, save_graph, save_structure
 
 OPTIMIZED = "model.ort.onnx"
 
@@ -70,7 +70,7 @@ def map_weights(graph: Path) -> str | None:
     return None if data is None else data.name  # None: no initializer of 1 KiB or more
 
 
-ALIGN = 4096  # offsets of tensors rewritten by share_weights: page-aligned, as mapping wants them
+ALIGN = PAGE  # offsets of tensors rewritten by share_weights: page-aligned, as mapping wants them
 
 
 def _external(tensor) -> dict:

@@ -365,25 +365,29 @@ def neighbour_agreement(a: np.ndarray, b: np.ndarray) -> float:
 
 @dataclass(frozen=True)
 class DecoderInput:
-    """One case of a decoder's report: its label, (B, S) ids and mask, whether it is real text (judged by top-1
-    and perplexity too), and the report's `input` entry ("random" or "real"; None for the real-text lengths)."""
+    """One case of a decoder's report: its label, (B, S) ids and mask, and the report's `input` entry ("random" or
+    "real"; None for the real-text lengths)."""
 
     label: str
     ids: np.ndarray
     mask: np.ndarray
-    real: bool
     kind: str | None = None
+
+    @property
+    def real(self) -> bool:
+        """Real text: judged by top-1 and perplexity too."""
+        return self.kind != "random"
 
 
 def decoder_inputs(engine, tokenizer, lengths, corpus: Corpus, wide: bool = True, grid=()) -> list[DecoderInput]:
     """The cases a decoder's report measures: real text at each length, then the wide shapes and the grid's."""
-    out = [DecoderInput(f"seq{n}", *_prefill_rows(tokenizer, n, corpus), real=True) for n in lengths]
+    out = [DecoderInput(f"seq{n}", *_prefill_rows(tokenizer, n, corpus)) for n in lengths]
     for kind, batch, length in wide_shapes(lengths, engine.manifest.shapes.batch.max) if wide else ():
         ids, mask = _wide_rows(engine, tokenizer, corpus, kind, batch, length, left=True)
-        out.append(DecoderInput(_label(kind, batch, length), ids, mask, kind == "real", kind))
+        out.append(DecoderInput(_label(kind, batch, length), ids, mask, kind))
     for name, kind, batch, length, seed in grid:
         ids, mask = _grid_rows(engine, kind, batch, length, seed)
-        out.append(DecoderInput(f"{name} {_label(kind, batch, length)}", ids, mask, kind == "real", kind))
+        out.append(DecoderInput(f"{name} {_label(kind, batch, length)}", ids, mask, kind))
     return out
 
 
