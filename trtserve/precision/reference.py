@@ -100,8 +100,7 @@ class Reference:
 
 
 def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc keeps a released model's pages otherwise: measured on
-    Qwen2.5-0.5B, 1.26 GB resident after the release, 0.98 GB after this)."""
+    """Hand the heap's free pages back to the system (glibc otherwise keeps part of a released model's pages)."""
     import ctypes
     import ctypes.util
 
