@@ -32,7 +32,8 @@ def test_the_kept_head_gives_the_models_logits_and_each_input_runs_once(cap):
     prompt = ids[:, :6].copy()
     reference.prepare([(ids, mask)], prompt, pad_id=0)
     reference.prepare([(ids, mask)], prompt, pad_id=0)  # cached: nothing runs, nothing is loaded
-    assert len(loads) == 1 and reference._model is None and reference._head is model.lm_head
+    assert len(loads) == 1 and reference._model is None
+    assert reference._head.weight.dtype == torch.float32  # random fp32 weights: bf16 would round them
     with torch.inference_mode():
         positions = torch.from_numpy(np.clip(np.cumsum(mask, 1) - 1, 0, None))
         whole = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
@@ -41,3 +42,20 @@ def test_the_kept_head_gives_the_models_logits_and_each_input_runs_once(cap):
     np.testing.assert_allclose(reference.logits(ids, mask, 7, 13), whole[:, 7:13], atol=1e-5)
     tokens, logits = reference.decoded(prompt)
     assert tokens.shape == (2, 32) and logits.shape == (2, 32, 96)
+
+
+def test_a_head_whose_values_are_bf16_is_kept_in_bf16_in_vocabulary_blocks_with_the_same_logits(monkeypatch):
+    from trtserve.precision.reference import _KeptHead
+
+    monkeypatch.setattr(_KeptHead, "ROWS", 7)  # blocks that do not divide the vocabulary
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(head.weight.to(torch.bfloat16).float())  # a bf16 checkpoint upcast at load
+    kept = _KeptHead.of(head)
+    assert kept.weight.dtype == torch.bfloat16 and kept.weight.data_ptr() != head.weight.data_ptr()
+    hidden = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        whole = head(hidden)
+    np.testing.assert_allclose(kept(hidden, None), whole.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(kept(hidden, 2.0), (torch.tanh(whole / 2.0) * 2.0).numpy(), rtol=1e-6, atol=1e-6)

@@ -75,28 +75,60 @@ class Reference:
         """Drop the model but its LM head (and the final soft cap some families apply after it)."""
         if self._model is None:
             return
-        self._head = self._model.get_output_embeddings()
+        self._head = _KeptHead.of(self._model.get_output_embeddings())
         self._cap = getattr(self._model.config, "final_logit_softcapping", None)
         self._model = None
         gc.collect()
         return_freed_memory()
 
-
     def logits(self, ids: np.ndarray, mask: np.ndarray, start: int, end: int) -> np.ndarray:
         """(B, end - start, V) reference logits at positions start..end of a prepared input."""
-        import torch
-
-        hidden = self._hidden[_key(ids, mask)]
-        head = self._head if self._model is None else self._model.get_output_embeddings()
-        cap = self._cap if self._model is None else getattr(self._model.config, "final_logit_softcapping", None)
-        with torch.inference_mode():
-            out = head(hidden[:, start:end])
-            if cap:
-                out = torch.tanh(out / cap) * cap
-        return out.float().numpy()
+        hidden = self._hidden[_key(ids, mask)][:, start:end]
+        if self._model is None:
+            return self._head(hidden, self._cap)
+        return _KeptHead(module=self._model.get_output_embeddings())(
+            hidden, getattr(self._model.config, "final_logit_softcapping", None))
 
     def decoded(self, ids: np.ndarray) -> tuple:
         return self._decoded[_key(ids)]
+
+
+class _KeptHead:
+    """An LM head kept after its model was released. A linear head keeps its weight in bfloat16 where that holds
+    every value exactly (a checkpoint stored in bf16 and upcast at load: half the memory, the same logits) and is
+    applied a block of vocabulary rows at a time in fp32; any other head is kept as its module."""
+
+    ROWS = 16384  # vocabulary rows upcast at a time
+
+    def __init__(self, weight=None, bias=None, module=None):
+        self.weight, self.bias, self.module = weight, bias, module
+
+    @classmethod
+    def of(cls, head) -> "_KeptHead":
+        import torch
+
+        if not isinstance(head, torch.nn.Linear) or head.weight.dtype != torch.float32:
+            return cls(module=head)
+        weight = head.weight.detach()
+        exact = all(torch.equal(block.to(torch.bfloat16).float(), block) for block in weight.split(cls.ROWS))
+        return cls(weight.to(torch.bfloat16) if exact else weight, None if head.bias is None else head.bias.detach())
+
+    def __call__(self, hidden, cap: float | None) -> np.ndarray:
+        """Logits (fp32 numpy) of `hidden`, soft-capped where `cap` is set."""
+        import torch
+
+        def capped(logits):
+            return torch.tanh(logits / cap) * cap if cap else logits
+
+        with torch.inference_mode():
+            if self.module is not None:
+                return capped(self.module(hidden)).float().numpy()
+            out = np.empty((*hidden.shape[:-1], self.weight.shape[0]), np.float32)
+            for first in range(0, self.weight.shape[0], self.ROWS):
+                rows = slice(first, first + self.ROWS)
+                bias = None if self.bias is None else self.bias[rows]
+                out[..., rows] = capped(torch.nn.functional.linear(hidden, self.weight[rows].float(), bias)).numpy()
+            return out
 
 
 def return_freed_memory() -> None:
