@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, require_package
-from tests.server_process import free_port
+from trtserve.testing.server import free_port
 
 DOCKER = ROOT / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))

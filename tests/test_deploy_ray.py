@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, require_package
-from tests.server_process import free_port
+from trtserve.testing.server import free_port
 
 pytestmark = pytest.mark.models
 

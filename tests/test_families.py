@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_package, run_cli
-from tests.server_process import metric, start_server, stop_server
-from tests.tiny_checkpoints import FAMILIES, WINDOW, make
+from trtserve.testing.server import metric, start_server, stop_server
+from trtserve.testing.tiny_checkpoints import FAMILIES, WINDOW, make
 
 pytestmark = pytest.mark.models
 

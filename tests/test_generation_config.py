@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_package, run_cli
-from tests.server_process import start_server, stop_server
-from tests.tiny_checkpoints import make
+from trtserve.testing.server import start_server, stop_server
+from trtserve.testing.tiny_checkpoints import make
 
 pytestmark = pytest.mark.models
 DEFAULTS = {"top_k": 1, "repetition_penalty": 1.8}

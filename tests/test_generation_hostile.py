@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, require_package
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 pytestmark = pytest.mark.models
 MODEL = "SmolLM2-135M-Instruct"

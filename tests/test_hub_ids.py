@@ -86,7 +86,7 @@ def test_serve_by_hub_id_builds_its_engine_and_answers_under_the_id(hub_home, en
     import httpx
     import numpy as np
 
-    from tests.server_process import start_server, stop_server
+    from trtserve.testing.server import start_server, stop_server
 
     env = dict(_offline(hub_home), TRTSERVE_CACHE=str(tmp_path / "cache"))
     texts = ["A man plays a guitar.", "Someone plays music."]

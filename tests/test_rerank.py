@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_cli
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 pytestmark = pytest.mark.models
 

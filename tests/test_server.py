@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import require_package
-from tests.server_process import metric, start_server, stop_server
+from trtserve.testing.server import metric, start_server, stop_server
 
 pytestmark = pytest.mark.models
 KEY = "test-key"

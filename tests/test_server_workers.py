@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server_process import metric, start_server, stop_server
+from trtserve.testing.server import metric, start_server, stop_server
 
 pytestmark = pytest.mark.models
 MODEL = "all-MiniLM-L6-v2"

@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.conftest import require_package
-from tests.server_process import start_server, stop_server
+from trtserve.testing.server import start_server, stop_server
 
 pytestmark = pytest.mark.models
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,5 +1,5 @@
 """Torch shard specs for runtime/sharded.py's driver, to compare parallel tracks with tensor
-parallelism on the same kind of checkpoint (models/parallel_track.py; `benchmarks/bench_tracks.py`):
+parallelism on the same kind of checkpoint (models/parallel_track.py; `benchmarks/decode/bench_tracks.py`):
 - `pt`: a parallel-track model; each worker owns n/w of its tracks and their KV cache, runs a
   segment of D layers without talking to anyone, then all-reduces its tracks' summed update:
   L/D all-reduces per forward.

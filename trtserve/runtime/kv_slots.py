@@ -74,7 +74,7 @@ class KVSlots:
         self.names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
         shapes = {i.name: i.shape for i in session.get_inputs()}
         # the cache's element type as the graph declares it: float32 from the builder, int8 where a quantized
-        # cache is probed (benchmarks/probe_kv_int8.py)
+        # cache is probed (benchmarks/probes/probe_kv_int8.py)
         self.dtype = _CACHE_TYPES[next(i.type for i in session.get_inputs() if i.name == self.names[0])]
         self.allocated = min(initial, self.capacity)  # the buffers' length axis now
         self.buffers, self._mappings = {}, {}
