@@ -228,9 +228,11 @@ def _decode_graph_step(d: _Draft) -> dict:
     if d.source.info.kind != "decoder":
         return {}
     from trtserve.engine_builder.kv_graph import build_kv
+    from trtserve.memory import return_freed_memory
 
     d.harness = None  # a decoder's torch reference (the fp32 model) is not needed past its gate: not held twice
     gc.collect()
+    return_freed_memory()
 
     with step("writing the decode graph (attention over in-place KV buffers) and checking it"):
         kv = KvGraph.model_validate(build_kv(d.tmp, engine_dir.as_manifest(d.manifest)))
@@ -333,6 +335,7 @@ def _export(source: ModelSource, path: Path) -> None:
 
     from trtserve.engine_builder.export import export_onnx
     from trtserve.models.loading import load_torch_model
+    from trtserve.memory import return_freed_memory
 
     with step(f"loading {source.model_id} in torch fp32"):
         model = load_torch_model(source)
@@ -340,6 +343,7 @@ def _export(source: ModelSource, path: Path) -> None:
         export_onnx(source, model, path)
     del model
     gc.collect()  # the exported model's cycles: the next step loads the reference, never beside this copy
+    return_freed_memory()  # and its pages go back to the system, not kept by the heap for this process
     with step("checking the graph with onnx.checker"):
         onnx.checker.check_model(str(path), full_check=True)
 

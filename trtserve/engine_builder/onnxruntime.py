@@ -27,11 +27,17 @@ def build_ort(onnx_path: Path, out_dir: Path, int8_activations: frozenset | None
     the rest on fp32 ones. The choice lives in the optimized graph only, never in the portable one."""
     import onnxruntime as ort
 
+    from trtserve.memory import return_freed_memory
+
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     write_optimized(options, out_dir / OPTIMIZED)
     options.log_severity_level = 3  # the "hardware specific" notice: the manifest records the machine
+    # this session only writes the optimized graph: its kernels never run, so they keep no repacked copy of the
+    # weights (the graph written is the same; a copy as large as the weights is not made)
+    options.add_session_config_entry("session.disable_prepacking", "1")
     ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    return_freed_memory()
     levels = _lower(out_dir / OPTIMIZED, int8_activations, residual) if int8_activations is not None else {}
     return {
         "name": "onnxruntime",

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from trtserve.memory import return_freed_memory
 from trtserve.precision.measure import DECODE_STEPS
 from trtserve.runtime.generate import positions_from_mask
 
@@ -129,15 +130,3 @@ class _KeptHead:
                 bias = None if self.bias is None else self.bias[rows]
                 out[..., rows] = capped(torch.nn.functional.linear(hidden, self.weight[rows].float(), bias)).numpy()
             return out
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc otherwise keeps part of a released model's pages)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
-        pass
