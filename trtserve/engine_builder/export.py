@@ -48,8 +48,26 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
             external_data=True,
             verbose=False,
         )
+    _release_rewriter_graphs()
     _rename_dims(out, past_dims=source.info.kind == "decoder")
     return names, list(outputs)
+
+
+def _release_rewriter_graphs() -> None:
+    """onnxscript's rewrite rules are module-level objects whose pattern matchers keep the last graph they matched
+    (`_graph`, `_match`, ...), and that graph's initializers wrap the exported model's own tensors: left alone, the
+    whole model outlives the export. Each match sets these afresh, so they are cleared."""
+    import gc
+
+    try:
+        from onnxscript.rewriter._matcher import PatternMatcher
+    except ImportError:  # another onnxscript layout: nothing known to clear
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, PatternMatcher):
+            for name in ("_graph", "_match", "_current_node", "_tracer"):
+                if name in vars(obj):
+                    setattr(obj, name, None)
 
 
 def _static_dynamic_rope(model) -> None:
