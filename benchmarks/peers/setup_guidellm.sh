@@ -4,7 +4,7 @@
 # installed first, pinned to the CPU build (guidellm pulls transformers, and an unpinned torch is a
 # multi-GB CUDA build).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 venv=$(.venv/bin/python -c "from trtserve.fileio import cache_root; print(cache_root() / 'peers' / 'guidellm-venv')")
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0

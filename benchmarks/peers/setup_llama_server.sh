@@ -5,7 +5,7 @@
 # $TRTSERVE_CACHE/peers/llama-server (default ~/.cache/trtserve), the binary at bin/llama-server. A benchmark-only binary, never a
 # dependency of trtserve. About 15 to 20 minutes on 2 cores.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source benchmarks/peers/llama_cpp_flags.sh
 peers=$(.venv/bin/python -c "from trtserve.fileio import cache_root; print(cache_root() / 'peers')")
 build="$peers/llama-server"  # the binary and its shared libraries stay in the build tree (its run path)

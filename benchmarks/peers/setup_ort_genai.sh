@@ -5,7 +5,7 @@
 # converted fp32 checkpoint, fp32 and int4 (MatMulNBits, blocks of 32, accuracy level 4: its CPU default),
 # into $TRTSERVE_CACHE/peers/ (default ~/.cache/trtserve). A few minutes on 2 cores.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 .venv/bin/pip install --no-deps "onnxruntime-genai==0.18.0"
 checkpoint=$(.venv/bin/python -c "from trtserve.models.sources import resolve; print(resolve('SmolLM2-135M-Instruct').path)")
 out=$(.venv/bin/python -c "from trtserve.fileio import cache_root; print(cache_root() / 'peers')")
