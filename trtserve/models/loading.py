@@ -50,8 +50,9 @@ SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F
 def _streamed(cls, source: ModelSource, impl: str):
     """The fp32 model filled a tensor at a time from the checkpoint's safetensors files, each tensor read (not
     mapped) and converted on its own: the peak is the fp32 model plus one tensor. `from_pretrained` maps the files
-    and keeps them mapped beside the fp32 copy, so a bf16 checkpoint's bytes are resident with it. None where this path does not apply (a quantized
-    checkpoint, names that need transformers' renaming, a tensor type it does not read): from_pretrained then."""
+    and keeps them mapped beside the fp32 copy, so a bf16 checkpoint's bytes are resident with it. None where this
+    path does not apply (a quantized checkpoint, names that need transformers' renaming, a tensor type it does not
+    read): from_pretrained then."""
     import torch
     from transformers import AutoConfig
     from transformers.initialization import no_init_weights
