@@ -211,3 +211,50 @@ def test_the_measured_mix_is_cached_by_content(tmp_path):
     assert again == first and len(list(tmp_path.iterdir())) == 1
     other = choose(torch_model, "decoder", weights, eight_bit, "int4", target, _rows(seed=6), cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 2 and set(other.formats) == set(first.formats)
+
+
+def test_sensitivity_is_measured_in_one_forward_pass_and_leaves_every_weight_as_it_was():
+    """Every weight's sensitivity comes from one calibration pass (each module computing its output again with
+    its weight quantized), whatever the number of weights; the mix tries put each weight back."""
+    from trtserve.precision.sensitivity import _Reference, mixed
+
+    torch_model = TinyDecoder().eval()
+    weights, eight_bit = candidates(graph_of(torch_model))
+    before = {name: p.detach().clone() for name, p in torch_model.named_parameters()}
+    calls = []
+    torch_model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ref = _Reference(torch_model, "decoder", _rows())
+    low = {key: "int8" if key in eight_bit else "int4" for key in weights}
+    calls.clear()
+    ranking = ref.ranking(low)
+    assert len(calls) == 1 and set(ranking) == set(weights) and all(v > 0 for v in ranking.values())
+    # the relative error of each module's output: the outlier-laden down projection quantizes worst
+    assert max(ranking, key=ranking.get) == weight_key("gemms", torch_model.down.weight.detach().numpy())
+    whole = ref.metrics(mixed(low, ranking, 0))
+    assert 0 < whole["effect"] and whole["top1"] < 1
+    assert ref.metrics(dict.fromkeys(weights, "fp32"))["effect"] == 0  # nothing quantized: the fp32 outputs
+    after = dict(torch_model.named_parameters())
+    assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
+    assert torch_model.head.weight is torch_model.embed.weight  # still tied
+
+
+def test_a_graph_without_its_weights_is_quantized_from_its_file_as_the_graph_in_memory_is(tmp_path):
+    """The build's path: the export loaded as structure only, each weight read from the data file as the writer
+    reaches it, the rest copied from that file when the graph is saved."""
+    from trtserve.graph_files import load_graph, save_graph
+
+    torch_model = TinyDecoder().eval()
+    fp32 = graph_of(torch_model)
+    save_graph(fp32, tmp_path / "fp32.onnx")
+    structure = load_graph(tmp_path / "fp32.onnx", weights=False)
+    assert not any(i.raw_data for i in structure.graph.initializer if i.name in ("embed", "up", "down"))
+    weights, eight_bit = candidates(structure, tmp_path)
+    assert (weights, eight_bit) == candidates(fp32)
+    assert set(weights.values()) == {(VOCAB, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)}
+    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
+    in_memory, report = apply_quantized(_copy(fp32), choice)
+    streamed, streamed_report = apply_quantized(structure, choice, base=tmp_path)
+    assert streamed_report == report
+    save_graph(streamed, tmp_path / "int4.onnx", base=tmp_path)
+    ids = np.array(_rows(seed=3, count=2, length=5))
+    np.testing.assert_array_equal(_run(load_graph(tmp_path / "int4.onnx"), ids), _run(in_memory, ids))

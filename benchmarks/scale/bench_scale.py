@@ -60,16 +60,22 @@ def parameters(folder: Path) -> int:
 
 
 def build(folder: Path, out: Path, precision: str, max_seq: int | None) -> dict:
-    """Build through the CLI under /usr/bin/time -v: seconds per stage, wall seconds, peak RSS (MiB)."""
+    """Build through the CLI under /usr/bin/time -v: seconds per stage, wall seconds, peak RSS (MiB). The build's
+    progress lines are passed on to stderr as they come."""
     command = ["/usr/bin/time", "-v", sys.executable, "-m", "trtserve", "build-engine", str(folder), "--out", str(out),
                "--precision", precision] + (["--max-seq", str(max_seq)] if max_seq else [])
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    lines = []
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        for line in proc.stderr:
+            lines.append(line)
+            print(line, end="", file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"build failed:\n{done.stderr[-3000:]}")
+    stderr = "".join(lines)
+    if proc.returncode != 0:
+        raise SystemExit(f"build failed:\n{stderr[-3000:]}")
     stages = dict.fromkeys(STAGES, 0.0)
-    for line in (done.stdout + done.stderr).splitlines():
+    for line in stderr.splitlines():
         found = DONE.match(line.strip())
         if found:
             matches = [(len(start), stage) for stage, starts in STAGES.items() for start in starts
@@ -77,7 +83,7 @@ def build(folder: Path, out: Path, precision: str, max_seq: int | None) -> dict:
             stage = max(matches)[1] if matches else None  # the longest prefix: "writing the decode graph"
             if stage:
                 stages[stage] += float(found.group(2))
-    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr).group(1))
     return {"stages": stages, "wall": wall, "peak_mb": peak / 1024}
 
 

@@ -13,11 +13,14 @@ turns the pair into GatherBlockQuantized, which dequantizes the gathered rows on
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from trtserve.graph_files import tensor_array
 from trtserve.precision.gguf_blocks import BLOCK, Blocks
 
 OPSET = 21  # blocked DequantizeLinear and the 4-bit types
@@ -35,6 +38,24 @@ def int_tensor(values: np.ndarray, name: str, dtype: str) -> TensorProto:
     tensor = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(values.shape))
     tensor.raw_data = packed.tobytes()
     return tensor
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Blocks computed only when the writer reaches their node (a graph's weights are never all quantized in
+    memory at once): their format, whether they carry a block minimum, and the call that computes them."""
+
+    format: str
+    has_minimum: bool
+    compute: Callable[[], Blocks]
+
+
+def _ready(blocks: Blocks | Pending) -> Blocks:
+    return blocks.compute() if isinstance(blocks, Pending) else blocks
+
+
+def _without_minimum(blocks: Blocks | Pending) -> bool:
+    return not blocks.has_minimum if isinstance(blocks, Pending) else blocks.minimum is None
 
 
 @dataclass
@@ -103,7 +124,8 @@ class Rewrite:
 
 
 def write_blocks(model, found: dict, report: dict) -> None:
-    """Rewire every node in `found` ({name: ("gemms" | "embeddings", Blocks)}) to read its blocks, in place.
+    """Rewire every node in `found` ({name: ("gemms" | "embeddings", Blocks or Pending)}) to read its blocks, in
+    place; Pending blocks are computed as their node is reached and dropped once written.
 
     GEMMs that read one input with blocks of one format (a layer's query, key and value; gate and up)
     become one GEMM over their concatenated rows and a Split: fewer, wider kernels and one block-minimum
@@ -113,19 +135,19 @@ def write_blocks(model, found: dict, report: dict) -> None:
     for node in graph.node:
         if node.name in found and found[node.name][0] == "gemms":
             blocks = found[node.name][1]
-            groups.setdefault((node.input[0], blocks.format, blocks.minimum is None), []).append(node)
+            groups.setdefault((node.input[0], blocks.format, _without_minimum(blocks)), []).append(node)
     rewrite, nodes, fused_away = Rewrite(_ranks(graph)), [], set()
     for node in graph.node:
         if node.name in fused_away:
             continue
         if node.name in found:
             kind, blocks = found[node.name]
-            group = groups.get((node.input[0], blocks.format, blocks.minimum is None), []) if kind == "gemms" else []
+            group = groups.get((node.input[0], blocks.format, _without_minimum(blocks)), []) if kind == "gemms" else []
             if len(group) > 1:
-                _fuse(rewrite, group, [found[n.name][1] for n in group], report)
+                _fuse(rewrite, group, [_ready(found[n.name][1]) for n in group], report)
                 fused_away.update(n.name for n in group[1:])
             else:
-                (rewrite.matmul if kind == "gemms" else rewrite.gather)(node, blocks)
+                (rewrite.matmul if kind == "gemms" else rewrite.gather)(node, _ready(blocks))
         before, after = rewrite.take()
         nodes += before + [node] + after
     del graph.node[:]
@@ -142,33 +164,48 @@ def _ranks(graph) -> dict:
     return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
 
 
-def weight_rows(name: str, inits: dict, producers: dict) -> tuple[np.ndarray | None, str | None]:
-    """The [N, K] rows of a MatMul's fp32 weight: an initializer [K, N], or Transpose of one [N, K]."""
+def weight_rows(name: str, inits: dict, producers: dict, base: Path | None = None) -> tuple[np.ndarray | None, str | None]:
+    """The [N, K] rows of a MatMul's fp32 weight: an initializer [K, N], or Transpose of one [N, K]. External
+    weights are read from their files under `base` (graph_files.tensor_array), one at a time."""
     if name in inits:
-        return numpy_helper.to_array(inits[name]).T, name
+        return tensor_array(inits[name], base).T, name
     node = producers.get(name)
     if node is not None and node.op_type == "Transpose" and node.input[0] in inits \
             and list(helper.get_attribute_value(a) for a in node.attribute if a.name == "perm") in ([], [[1, 0]]):
-        return numpy_helper.to_array(inits[node.input[0]]), node.input[0]
+        return tensor_array(inits[node.input[0]], base), node.input[0]
     return None, None
 
 
-def weight_candidates(graph) -> list[tuple]:
+def weight_candidates(graph, base: Path | None = None) -> Iterator[tuple]:
     """(node, "gemms" | "embeddings", fp32 rows [N, K], weight name) for each MatMul with a constant 2-D weight
-    and each Gather(axis 0) on a 2-D initializer table."""
+    and each Gather(axis 0) on a 2-D initializer table, read one weight at a time: a graph loaded without its
+    weights (graph_files.load_graph(weights=False)) reads each from its file under `base` as it comes."""
     inits = {i.name: i for i in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
-    out = []
-    for node in graph.node:
+    for node in list(graph.node):
         rows = None
-        if node.op_type == "MatMul":
-            rows, weight = weight_rows(node.input[1], inits, producers)
+        if node.op_type == "MatMul" and _two_dims(node.input[1], inits, producers):
+            rows, weight = weight_rows(node.input[1], inits, producers, base)
             kind = "gemms"
-        elif node.op_type == "Gather" and node.input[0] in inits and not any(a.name == "axis" and a.i for a in node.attribute):
-            rows, weight, kind = numpy_helper.to_array(inits[node.input[0]]), node.input[0], "embeddings"
+        elif node.op_type == "Gather" and node.input[0] in inits and _fp32_matrix(inits[node.input[0]]) \
+                and not any(a.name == "axis" and a.i for a in node.attribute):
+            rows, weight, kind = tensor_array(inits[node.input[0]], base), node.input[0], "embeddings"
         if rows is not None and rows.dtype == np.float32 and rows.ndim == 2:
-            out.append((node, kind, rows, weight))
-    return out
+            yield node, kind, rows, weight
+
+
+def _fp32_matrix(tensor) -> bool:
+    return len(tensor.dims) == 2 and tensor.data_type == TensorProto.FLOAT
+
+
+def _two_dims(name: str, inits: dict, producers: dict) -> bool:
+    """Whether a MatMul's weight input is a 2-D fp32 initializer or a Transpose of one (judged without reading
+    it)."""
+    if name in inits:
+        return _fp32_matrix(inits[name])
+    node = producers.get(name)
+    return node is not None and node.op_type == "Transpose" and node.input[0] in inits \
+        and _fp32_matrix(inits[node.input[0]])
 
 
 def _fuse(rewrite: Rewrite, group: list, blocks: list[Blocks], report: dict) -> None:

@@ -37,11 +37,18 @@ class Blocks:
         """Values per block along the input dimension: 32 for GGUF's blocks, more where a policy chose so."""
         return self.q.shape[1] // self.scale.shape[1]
 
-    def dequantized(self) -> np.ndarray:
-        w = self.q.astype(np.float32).reshape(*self.scale.shape, self.block) * self.scale[..., None]
-        if self.minimum is not None:
-            w = w + self.minimum[..., None]
-        return w.reshape(self.q.shape)
+    def dequantized(self, rows_at_once: int = 4096) -> np.ndarray:
+        """fp32 values d * q (+ m), computed `rows_at_once` rows at a time into the one array returned."""
+        out = np.empty(self.q.shape, np.float32)
+        blocks = out.reshape(*self.scale.shape, self.block)
+        for first in range(0, len(out), rows_at_once):
+            part = slice(first, first + rows_at_once)
+            w = blocks[part]
+            w[...] = self.q[part].reshape(w.shape)
+            np.multiply(w, self.scale[part, :, None], out=w)
+            if self.minimum is not None:
+                np.add(w, self.minimum[part, :, None], out=w)
+        return out
 
     def rows(self, order: np.ndarray) -> "Blocks":
         minimum = None if self.minimum is None else self.minimum[order]

@@ -12,22 +12,23 @@ from trtserve.precision.gguf_blocks import BLOCK, BlockIndex, read_blocks
 KEPT = "kept fp32 by the activation plan: fp32 activations, and no fast kernel for 8-bit weights on them"
 
 
-def apply_gguf(model, gguf: Path, keep: frozenset = frozenset(), index: BlockIndex | None = None):
+def apply_gguf(model, gguf: Path, keep: frozenset = frozenset(), index: BlockIndex | None = None,
+               base: Path | None = None):
     """Rewrite `model` (an fp32 export of the checkpoint converted from `gguf`) in place; return it and a report.
 
     GEMMs named in `keep` keep their fp32 weights; `index` is the file's blocks when the caller already read
-    them (a build that rewrites the graph for several activation plans). GEMMs sharing an input are joined
-    (blocked.write_blocks)."""
-    found, report = _match(model.graph, index or BlockIndex(read_blocks(gguf)), keep)
+    them (a build that rewrites the graph for several activation plans); `base`: the folder of the weights of a
+    graph loaded without them. GEMMs sharing an input are joined (blocked.write_blocks)."""
+    found, report = _match(model.graph, index or BlockIndex(read_blocks(gguf)), keep, base)
     report["source"] = gguf.name
     write_blocks(model, found, report)
     return model, report
 
 
-def _match(graph, index: BlockIndex, keep: frozenset) -> tuple[dict, dict]:
+def _match(graph, index: BlockIndex, keep: frozenset, base: Path | None) -> tuple[dict, dict]:
     """The GGUF blocks behind each MatMul and Gather weight ({node: (kind, blocks)}), and the report."""
     found, report = {}, {"gemms": {}, "embeddings": {}, "fp32": {}}
-    for node, kind, rows, weight in weight_candidates(graph):
+    for node, kind, rows, weight in weight_candidates(graph, base):
         blocks = index.match(rows) if rows.shape[1] % BLOCK == 0 and node.name not in keep else None
         if node.name in keep:
             report["fp32"][node.name] = KEPT

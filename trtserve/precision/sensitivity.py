@@ -1,13 +1,15 @@
 """Which weights (GEMMs, embedding tables) of a genuine-fp32 checkpoint get the cheap format: measured,
 never named.
 
-Each weight's sensitivity is the effect on the model's output of quantizing that GEMM alone, measured on
-real calibration text with the torch fp32 reference (the same dequantized values the graph will hold;
-the reference is already loaded by the build, and a forward pass is far cheaper than an ONNX Runtime
-session per GEMM). Decoders: the mean KL divergence of the next-token distribution; encoders: the mean
-1 - cosine of the sentence embeddings. Then the smallest set of the most sensitive weights kept in the
-safer format (int4 -> int8 -> fp32) for which the whole model meets the target on that text is found by
-bisection over the ranking. The build's fidelity gate (ONNX Runtime, every length) has the last word.
+Each weight's sensitivity is measured where it acts, in one calibration pass over real text with the torch fp32
+reference: every GEMM (and table) computes its output again from the same input with its weight quantized (the
+dequantized values the graph will hold), and the relative squared error of that output is its sensitivity: the
+local error GPTQ and AWQ calibrate on, at the cost of about two forward passes for the whole model, whatever its
+number of GEMMs. Then the smallest set of the most sensitive weights kept in the safer format (int4 -> int8 ->
+fp32) for which the whole model meets the target on that text is found by bisection over the ranking (decoders:
+top-1 agreement and perplexity of the next-token distribution; encoders: sentence cosine), each try quantizing
+the weights as the forward pass reaches them, so no second copy of the model is held. The build's fidelity gate
+(ONNX Runtime, every length) has the last word.
 
 torch Linear weights are matched to graph weights by their bytes, as GGUF blocks are.
 """
@@ -24,7 +26,7 @@ from trtserve.precision.weight_quant import quantize_rows
 from trtserve.progress import say
 
 CALIBRATION_ROWS, CALIBRATION_LENGTH = 4, 128  # the whole mix is checked on these
-RANKING_ROWS, RANKING_LENGTH = 2, 64  # each weight alone on these: one forward per weight, so kept short
+RANKING_ROWS, RANKING_LENGTH = 2, 64  # where a model is ranked one forward per weight (track_quant): kept short
 SAFER = {"int4": "int8", "int8": "fp32"}
 
 
@@ -45,22 +47,21 @@ class Choice:
 
 
 class _Reference:
-    """The torch model with swappable weights, and its fp32 outputs on the calibration rows and on the
-    shorter ranking rows."""
+    """The torch model with its weights quantized as the forward pass reaches them, and its fp32 outputs on the
+    calibration rows."""
 
     def __init__(self, model, kind: str, rows: list[list[int]]):
         import torch
 
         self.model, self.kind = model, kind
-        ids = torch.tensor(rows, dtype=torch.int64)
-        self.ids = {False: ids, True: ids[:RANKING_ROWS, :RANKING_LENGTH]}  # by `short`
+        self.ids = torch.tensor(rows, dtype=torch.int64)
         self.originals = {}
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and weight is not None and weight.ndim == 2:
                 kind_ = "gemms" if isinstance(module, torch.nn.Linear) else "embeddings"
                 self.originals.setdefault(weight_key(kind_, weight.detach().numpy()), (name, module, weight))
-        self.base = {short: self._outputs(ids) for short, ids in self.ids.items()}
+        self.base = self._outputs(self.ids)
 
     def _outputs(self, ids):
         import torch
@@ -73,30 +74,77 @@ class _Reference:
                 return out.logits.double().T
             return out.last_hidden_state.double().mean(1)
 
-    def metrics(self, formats: dict, short: bool = False) -> dict:
-        """Swap in the quantized weights of `formats`, run (on the ranking rows if `short`), restore; the
-        effect against fp32."""
+    def ranking(self, low: dict) -> dict:
+        """{key: relative squared error of the module's output with its weight quantized to low[key] alone}, every
+        weight measured in one forward pass on the calibration rows (each module computing again from its own
+        input: the effect of its quantization where it acts)."""
         import torch
 
-        ids, base = self.ids[short], self.base[short]
-        swapped = []
+        errors: dict[str, list[float]] = {}
+
+        def measure(key: str, fmt: str):
+            def hook(module, args, kwargs, out):
+                weight = module.weight
+                module.weight = torch.nn.Parameter(_dequantized_tensor(weight, fmt), requires_grad=False)
+                try:
+                    again = module.forward(*args, **kwargs)
+                finally:
+                    module.weight = weight
+                total = errors.setdefault(key, [0.0, 0.0])
+                total[0] += float((again.double() - out.double()).square().sum())
+                total[1] += float(out.double().square().sum())
+            return hook
+
+        handles = [self.originals[key][1].register_forward_hook(measure(key, fmt), with_kwargs=True)
+                   for key, fmt in low.items() if fmt != "fp32" and key in self.originals]
+        try:
+            self._outputs(self.ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+        measured = {key: (num / den if den > 0 else float(num > 0)) for key, (num, den) in errors.items()}
+        # a module the pass never called: its quantization changes nothing
+        return {key: measured.get(key, 0.0) for key, fmt in low.items() if fmt != "fp32" and key in self.originals}
+
+    def metrics(self, formats: dict) -> dict:
+        """The whole model's effect against fp32 with the weights of `formats` quantized: each module's weight is
+        swapped for its quantized values as its forward begins and restored as it ends."""
+        import torch
+
+        held = {}  # id(module) -> its own weight while the quantized one is in place
+
+        def swap(fmt: str):
+            def before(module, args):
+                held[id(module)] = module.weight
+                module.weight = torch.nn.Parameter(_dequantized_tensor(module.weight, fmt), requires_grad=False)
+
+            return before
+
+        def restore(module, args, out):
+            module.weight = held.pop(id(module))
+
+        handles = []
         try:
             for key, fmt in formats.items():
                 if fmt == "fp32" or key not in self.originals:
                     continue
-                _, module, weight = self.originals[key]
-                rows = weight.detach().numpy()
-                # a fresh Parameter: a tied LM head and embedding are measured (and quantized) apart
-                module.weight = torch.nn.Parameter(torch.from_numpy(_dequantized(rows, fmt, key)), requires_grad=False)
-                swapped.append((module, weight))
-            out = self._outputs(ids)
+                module = self.originals[key][1]
+                handles += [module.register_forward_pre_hook(swap(fmt)), module.register_forward_hook(restore)]
+            out = self._outputs(self.ids)
         finally:
-            for module, weight in swapped:
-                module.weight = weight
+            for handle in handles:
+                handle.remove()
         if self.kind == "decoder":
-            return decoder_effect(base, out, ids)
-        cos = torch.nn.functional.cosine_similarity(base, out, dim=-1)
+            return decoder_effect(self.base, out, self.ids)
+        cos = torch.nn.functional.cosine_similarity(self.base, out, dim=-1)
         return {"effect": float((1 - cos).mean()), "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
+
+
+def _dequantized_tensor(weight, fmt: str):
+    """A torch weight's values after quantization to `fmt` (fp32, computed now, held by the caller only)."""
+    import torch
+
+    return torch.from_numpy(quantize_rows(weight.detach().numpy(), fmt).dequantized())
 
 
 def decoder_effect(base, out, ids) -> dict:
@@ -126,7 +174,7 @@ def meets(metrics: dict, target) -> bool:
     return metrics["worst_cosine"] >= target.min_token_cosine and metrics["mean_cosine"] >= target.min_cosine
 
 
-CACHE_VERSION = 3  # bump when the measurement changes
+CACHE_VERSION = 4  # bump when the measurement changes
 
 
 def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
@@ -173,15 +221,21 @@ def widened(choice: Choice, kept: int) -> Choice:
 
 def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target,
                     rows: list[list[int]], reference=None) -> Choice:
-    """`weights`: graph weight key -> [N, K] rows, for the GEMMs and tables the policy may quantize;
+    """`weights`: graph weight key -> its shape as rows (N, K), for the GEMMs and tables the policy may quantize;
     those in `eight_bit` (tables, the LM head) start in int8, the others in `fmt`. A weight whose input
-    dimension is no multiple of the block, or that the reference does not hold, stays fp32. `reference`:
-    a model-specific stand-in for _Reference (its `originals` and `metrics`), built on `rows` already."""
+    dimension is no multiple of the block, or that the reference does not hold, stays fp32. `reference_model`:
+    the torch model, or a call that loads it. `reference`: a model-specific stand-in for _Reference (its
+    `originals`, `ranking` and `metrics`), built on `rows` already."""
     _CACHE.clear()
-    ref = reference or _Reference(reference_model, kind, rows)
-    low = {key: ("fp32" if r.shape[1] % BLOCK or key not in ref.originals else "int8" if key in eight_bit else fmt)
-           for key, r in weights.items()}
-    sensitivity = {key: ref.metrics({key: f}, short=True)["effect"] for key, f in low.items() if f != "fp32"}
+    if reference is None:
+        import torch
+
+        model = reference_model if isinstance(reference_model, torch.nn.Module) else reference_model()
+        reference = _Reference(model, kind, rows)
+    ref = reference
+    low = {key: ("fp32" if shape[1] % BLOCK or key not in ref.originals else "int8" if key in eight_bit else fmt)
+           for key, shape in weights.items()}
+    sensitivity = ref.ranking(low)
 
     def mix(kept: int) -> dict:
         return mixed(low, sensitivity, kept)

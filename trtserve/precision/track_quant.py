@@ -52,6 +52,11 @@ class TrackReference:
         with torch.inference_mode():
             return torch.log_softmax(self.model(ids)[0], -1)
 
+    def ranking(self, low: dict) -> dict:
+        """Each weight's effect on the model's output when quantized to low[key] alone (a forward per weight on
+        the short rows: this model is small)."""
+        return {key: self.metrics({key: fmt}, short=True)["effect"] for key, fmt in low.items() if fmt != "fp32"}
+
     def metrics(self, formats: dict, short: bool = False) -> dict:
         import torch
 
@@ -98,11 +103,11 @@ def choose_formats(model, fmt: str, target, cache_dir=None):
     reference = TrackReference(model, rows)
     weights, eight_bit = {}, set()
     for key, (_, tensor, track) in reference.originals.items():
-        weights[key] = (tensor if track is None else tensor[track]).detach().numpy()
+        weights[key] = tuple((tensor if track is None else tensor[track]).shape)
         if track is None:
             eight_bit.add(key)
-    low = {key: "fp32" if rows_.shape[1] % BLOCK else "int8" if key in eight_bit else fmt
-           for key, rows_ in weights.items()}
+    low = {key: "fp32" if shape[1] % BLOCK else "int8" if key in eight_bit else fmt
+           for key, shape in weights.items()}
     return choose(model, KIND, weights, eight_bit, fmt, target, rows, cache_dir, reference), low
 
 

@@ -19,24 +19,45 @@ from trtserve.precision.gguf_blocks import BLOCK, Blocks
 FORMATS = ("int8", "int4")
 
 
+ROWS_AT_ONCE = 4096  # rows quantized at a time: a large weight's temporaries stay a few tens of MB
+
+
 def quantize_rows(rows: np.ndarray, fmt: str, name: str = "", block: int = BLOCK) -> Blocks:
-    """Quantize [N, K] rows (K along the blocks; K a multiple of `block`) to `fmt`."""
+    """Quantize [N, K] rows (K along the blocks; K a multiple of `block`) to `fmt`, ROWS_AT_ONCE rows at a time."""
     n, k = rows.shape
     if k % block:
         raise ValueError(f"{name or 'weight'}: input dimension {k} is not a multiple of the block size {block}")
-    blocked = rows.astype(np.float32).reshape(n, k // block, block)
-    if fmt == "int8":
-        from onnx import TensorProto
-        from onnxruntime.quantization.quant_utils import quantize_nparray
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; use {', '.join(FORMATS)}")
+    q = np.empty((n, k), np.int8 if fmt == "int8" else np.uint8)
+    scale = np.empty((n, k // block), np.float32)
+    minimum = np.empty((n, k // block), np.float32) if fmt == "int4" else None
+    for first in range(0, n, ROWS_AT_ONCE):
+        part = slice(first, min(first + ROWS_AT_ONCE, n))
+        blocked = rows[part].astype(np.float32, copy=False).reshape(-1, k // block, block)
+        if fmt == "int8":
+            q[part], scale[part] = _int8(blocked)
+        else:
+            q[part], scale[part], minimum[part] = _int4(blocked)
+    return Blocks(name, fmt, q, scale, minimum)
 
-        d = np.abs(blocked).max(-1) / 127
-        d = np.where(d > 0, d, 1.0).astype(np.float32)  # an all-zero block: any scale, values 0
-        q = quantize_nparray(TensorProto.INT8, blocked, d[..., None], 0, low=-127, high=127)
-        return Blocks(name, "int8", q.reshape(n, k), d, None)
-    if fmt == "int4":
-        low, high = blocked.min(-1), blocked.max(-1)
-        d = (high - low) / 15
-        d = np.where(d > 0, d, 1.0).astype(np.float32)
-        q = np.clip(np.round((blocked - low[..., None]) / d[..., None]), 0, 15).astype(np.uint8)
-        return Blocks(name, "int4", q.reshape(n, k), d, low.astype(np.float32))
-    raise ValueError(f"unknown weight format {fmt!r}; use {', '.join(FORMATS)}")
+
+def _int8(blocked: np.ndarray) -> tuple:
+    from onnx import TensorProto
+    from onnxruntime.quantization.quant_utils import quantize_nparray
+
+    d = np.abs(blocked).max(-1) / 127
+    d = np.where(d > 0, d, 1.0).astype(np.float32)  # an all-zero block: any scale, values 0
+    q = quantize_nparray(TensorProto.INT8, blocked, d[..., None], 0, low=-127, high=127)
+    return q.reshape(len(blocked), -1), d
+
+
+def _int4(blocked: np.ndarray) -> tuple:
+    low, high = blocked.min(-1), blocked.max(-1)
+    d = (high - low) / 15
+    d = np.where(d > 0, d, 1.0).astype(np.float32)
+    values = blocked - low[..., None]  # then in place: round((w - min) / d), clipped to 0..15
+    np.divide(values, d[..., None], out=values)
+    np.round(values, out=values)
+    np.clip(values, 0, 15, out=values)
+    return values.astype(np.uint8).reshape(len(blocked), -1), d, low.astype(np.float32)

@@ -208,19 +208,19 @@ class _Blocked(_Strategy):
 
     def __init__(self, policy, gate: Gate):
         super().__init__(policy, gate)
-        import onnx
-
         from trtserve.precision.activations import plans
 
-        self.plans = plans(onnx.load(str(gate.fp32_graph)))
+        self.plans = plans(load_graph(gate.fp32_graph, weights=False))  # by structure
         self.blocks = self.choose()  # once, for every plan
 
     def write(self, keep, kept) -> dict:
         import onnx
 
         with step(self.label):
-            model, report = self.rewrite(load_graph(self.gate.fp32_graph), keep, kept)
-            save_graph(model, self.gate.out)
+            fp32 = self.gate.fp32_graph
+            # the structure alone: each weight is read from the export's file as it is rewritten or copied
+            model, report = self.rewrite(load_graph(fp32, weights=False), keep, kept, fp32.parent)
+            save_graph(model, self.gate.out, base=fp32.parent)
             del model
             onnx.checker.check_model(str(self.gate.out), full_check=True)
         formats = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(
@@ -244,10 +244,10 @@ class _Gguf(_Blocked):
     def label(self) -> str:
         return f"carrying the blocks of {self.gate.source.gguf.name} into the graph"
 
-    def rewrite(self, model, keep, kept):
+    def rewrite(self, model, keep, kept, base):
         from trtserve.precision.gguf_policy import apply_gguf
 
-        return apply_gguf(model, self.gate.source.gguf, keep, self.blocks)
+        return apply_gguf(model, self.gate.source.gguf, keep, self.blocks, base)
 
     def summary(self, report, formats) -> str:
         return (f"precision: gguf: {len(report['gemms'])} GEMMs and {len(report['embeddings'])} embeddings read "
@@ -260,13 +260,11 @@ class _Measured(_Blocked):
     measured = True
 
     def choose(self):
-        import onnx
-
         from trtserve.precision.quant_policy import candidates
         from trtserve.precision.sensitivity import CALIBRATION_LENGTH, CALIBRATION_ROWS, choose
 
         gate, kind = self.gate, self.gate.source.info.kind
-        weights, eight_bit = candidates(onnx.load(str(gate.fp32_graph)))
+        weights, eight_bit = candidates(load_graph(gate.fp32_graph, weights=False), gate.fp32_graph.parent)
         try:
             rows = gate.harness.corpus.rows(gate.harness.tokenizer, CALIBRATION_ROWS, CALIBRATION_LENGTH,
                                             special=kind != "decoder")
@@ -275,8 +273,11 @@ class _Measured(_Blocked):
                                 f"sensitivity on {CALIBRATION_ROWS} rows of {CALIBRATION_LENGTH} tokens") from None
         with step(f"{self.policy.name} weights: sensitivity of {len(weights)} weights on {gate.harness.corpus.name}, "
                   "then the mix"):
-            return choose(gate.harness.reference, kind, weights, eight_bit, self.policy.weights, gate.target, rows,
-                          cache_dir=cache_root() / "sensitivity")
+            choice = choose(lambda: gate.harness.reference, kind, weights, eight_bit, self.policy.weights,
+                            gate.target, rows, cache_dir=cache_root() / "sensitivity")
+        # the torch model is loaded again for the gate, after the graph is written: never beside the quantizing
+        gate.harness.references.release()
+        return choice
 
     def keep(self, plan) -> frozenset:
         return plan.fast if plan else frozenset()
@@ -291,11 +292,11 @@ class _Measured(_Blocked):
     def label(self) -> str:
         return f"writing {self.policy.name} weights into the graph"
 
-    def rewrite(self, model, keep, kept):
+    def rewrite(self, model, keep, kept, base):
         from trtserve.precision.quant_policy import apply_quantized
         from trtserve.precision.sensitivity import widened
 
-        return apply_quantized(model, widened(self.blocks, kept) if self.widens_to(kept) else self.blocks, keep)
+        return apply_quantized(model, widened(self.blocks, kept) if self.widens_to(kept) else self.blocks, keep, base)
 
     def summary(self, report, formats) -> str:
         return f"precision: {self.policy.name}: {formats}, {len(report['fp32'])} weights fp32"
