@@ -133,7 +133,9 @@ def test_the_in_process_generation_loop_is_restarted_when_it_dies(smollm2):
         try:
             worker = service.pool.workers[0]
             dead = worker.thread
-            worker.channel._outbox.put(("add", None))  # a message the loop cannot read: its thread dies
+            from trtserve.server.messages import AddSequences
+
+            worker.channel._outbox.put(AddSequences(None))  # a message the loop cannot read: its thread dies
             for _ in range(100):
                 if worker.thread is not dead and worker.ready:
                     break

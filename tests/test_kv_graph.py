@@ -410,10 +410,12 @@ def test_a_prefills_first_tokens_are_handed_over_before_the_decode_call(tiny, sl
 
 def test_a_server_gone_while_first_tokens_are_sent_ends_the_worker_loop_quietly(tiny, caplog):
     from trtserve.server.generation_worker import generation_loop
+    from trtserve.server.messages import AddSequences, NewSequence
 
     class Pipe:  # the worker's end of a server that asks for one sequence and is gone before its first token
         def __init__(self):
-            self.messages = [("add", [("a", [5, 6, 7], {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True})])]
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            self.messages = [AddSequences([NewSequence("a", [5, 6, 7], params)])]
 
         def poll(self, timeout=None):
             return bool(self.messages)

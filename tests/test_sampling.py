@@ -318,14 +318,23 @@ def test_chat_template_failures_are_400s_naming_the_field():
 
 
 def test_a_request_that_rules_out_every_token_is_the_callers_400_and_long_inline_templates_load():
-    from trtserve.runtime.sampling import RULED_OUT, SamplingError
+    from trtserve.runtime.events import Failure, failed
+    from trtserve.runtime.sampling import RuledOut, SamplingError
     from trtserve.server.chat import template_option
     from trtserve.server.generation import _event_error
 
     held = Sampler(SamplingParams(allowed_token_ids=(2,), min_tokens=2), 4, eos_ids={2})
-    with pytest.raises(SamplingError, match="no token is left to choose"):
+    with pytest.raises(RuledOut, match="no token is left to choose") as ruled_out:
         held.choose(LOGITS)
-    error = _event_error(f"SamplingError: {RULED_OUT}", 0)
+    event = failed("s", ruled_out.value)  # the sequence's last event, by the kind of its failure
+    assert event.failure is Failure.RULED_OUT and event.ended
+    error = _event_error(event, 0)
     assert isinstance(error, BadRequest) and error.status == 400
+    nan = Sampler(SamplingParams(), 4, eos_ids={2})
+    with pytest.raises(SamplingError, match="not finite") as broken:
+        nan.choose(np.full(4, np.nan, np.float32))
+    assert not isinstance(broken.value, RuledOut)
+    assert failed("s", broken.value).failure is Failure.SEQUENCE
+    assert _event_error(failed("s", broken.value), 0).status == 500  # the server's failure, not the caller's
     inline = "{% for m in messages %}{{ m.content }}{% endfor %}" * 20  # longer than a file name may be
     assert template_option(inline) == inline

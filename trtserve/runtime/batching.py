@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtserve.runtime.base import Backend
+from trtserve.runtime.events import Event, FinishReason, failed
 from trtserve.runtime.generate import DecodeState, logit_feed, past_names, positions_from_mask, present_name
 from trtserve.runtime.generate import step as feed_tokens
 from trtserve.runtime.sampling import Sampler, SamplingError, SamplingParams, finish_reason, prompt_logprobs
@@ -32,19 +33,6 @@ class Sequence:
     @property
     def total(self) -> int:
         return len(self.prompt) + self.generated
-
-
-@dataclass
-class Event:
-    """A new token (token -1 when the sequence ended on end-of-sequence) or a failure."""
-
-    id: str
-    token: int
-    logprob: float | None = None
-    top_logprobs: list | None = None
-    finish: str | None = None  # "stop" | "length" | None
-    error: str | None = None
-    prompt_logprobs: list | None = None  # on the first event, when the sequence asked for them
 
 
 @dataclass
@@ -203,7 +191,7 @@ class ContinuousBatcher:
                                  last_only=scored is None)
         except Exception as exc:
             self.prefill = None
-            return [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in p.seqs]
+            return [failed(s.id, exc) for s in p.seqs]
         p.fed = end
         if scored is not None:
             p.logits.append(logits[0])
@@ -225,7 +213,7 @@ class ContinuousBatcher:
         try:
             events[0].prompt_logprobs = prompt_logprobs(seq.prompt, logits, top)
         except Exception as exc:  # noqa: BLE001
-            events[0] = Event(seq.id, -1, error=f"{type(exc).__name__}: {exc}")
+            events[0] = failed(seq.id, exc)
             self._finish({seq.id})
 
     def _decode(self) -> list[Event]:
@@ -238,7 +226,7 @@ class ContinuousBatcher:
             out = self.backend.infer(feeds)
         except Exception as exc:
             self._drop(list(range(len(seqs))))
-            return [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
+            return [failed(s.id, exc) for s in seqs]
         b.past, b.mask = {n: out[present_name(n)] for n in self.names}, full
         for s in seqs:
             s.length += 1
@@ -250,12 +238,12 @@ class ContinuousBatcher:
             try:
                 token, logprob, top = s.sampler.choose(logits[row])
             except Exception as exc:  # this sequence ends with the error; its neighbours go on
-                events.append(Event(s.id, -1, error=f"{type(exc).__name__}: {exc}"))
+                events.append(failed(s.id, exc))
                 done.append(s.id)
                 continue
             finish = finish_reason(token, s.params, self.eos_ids, s.generated + 1, s.total + 1, self.max_seq)
-            if finish == "stop":
-                events.append(Event(s.id, -1, logprob, top, finish="stop"))
+            if finish is FinishReason.STOP:
+                events.append(Event(s.id, -1, logprob, top, finish=finish))
                 done.append(s.id)
                 continue
             s.generated += 1

@@ -13,11 +13,19 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from trtserve.runtime.events import Failure, FinishReason
+
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (vLLM's rule): dividing by it overflows
 
 
 class SamplingError(ValueError):
     """This sequence cannot go on (its logits are not numbers, or the request rules out every token)."""
+
+
+class RuledOut(SamplingError):
+    """The request's own fields leave no token to choose: the caller's error, not the server's."""
+
+    failure = Failure.RULED_OUT
 
 
 # the request's own fields leave no token to choose: the caller's error, not the server's
@@ -49,15 +57,15 @@ class SamplingParams:
         return asdict(self)
 
 
-def finish_reason(token: int, params: SamplingParams, eos_ids, generated: int, length: int, max_seq: int) -> str | None:
-    """Whether a sequence ends on the token just chosen, for every decode loop: "stop" for an
-    end-of-sequence token (unless `ignore_eos`; the token itself is not emitted), "length" once
-    `max_tokens` are generated or the context is full, else None. `generated` and `length` (prompt
-    plus generated tokens) count the chosen token."""
+def finish_reason(token: int, params: SamplingParams, eos_ids, generated: int, length: int,
+                  max_seq: int) -> FinishReason | None:
+    """Whether a sequence ends on the token just chosen, for every decode loop: STOP for an end-of-sequence
+    token (unless `ignore_eos`; the token itself is not emitted), LENGTH once `max_tokens` are generated or the
+    context is full, else None. `generated` and `length` (prompt plus generated tokens) count the chosen token."""
     if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if generated >= params.max_tokens or length >= max_seq:
-        return "length"
+        return FinishReason.LENGTH
     return None
 
 
@@ -146,7 +154,7 @@ class Sampler:
         if self.constraint is not None:
             self.constraint.apply(logits)  # tokens outside the grammar: -inf
         if not np.isfinite(np.max(logits)):
-            raise SamplingError(RULED_OUT)
+            raise RuledOut(RULED_OUT)
         if p.temperature < GREEDY_BELOW or p.top_k == 1:
             token = int(np.argmax(logits))
         else:

@@ -25,6 +25,70 @@ from trtserve.errors import TrtServeError
 from trtserve.runtime.heartbeat import new_heartbeat, silent_for
 
 
+# -- the messages between the driver and its ranks (pickled as they are) --------------------------------------
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run the model on ids [B, T]: new sequences (`new`, a prefill) or one more token each (a decode)."""
+
+    ids: object
+    new: bool
+
+
+@dataclass(frozen=True)
+class RunSlots:
+    """The sequence-slot call (runtime/track_backend.py): drop the caches `drops`, then run `ids` on the caches of
+    `keys`; logits of every position where `every`, else of the last."""
+
+    drops: list
+    keys: list
+    ids: object
+    every: bool
+
+
+@dataclass(frozen=True)
+class ReadSlot:
+    key: object
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class WriteSlot:
+    key: object
+    rows: dict
+
+
+@dataclass(frozen=True)
+class ResetSlots:
+    """A new set of slots: the caches of the one before are gone."""
+
+
+@dataclass(frozen=True)
+class StopRank:
+    pass
+
+
+@dataclass(frozen=True)
+class RankReady:
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankAnswer:
+    value: object  # rank 0's result (every rank's for ReadSlot); None from the others
+    syncs: int  # all-reduces the rank made for it
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    error: str
+
+
+SlotMessage = RunSlots | ReadSlot | WriteSlot | ResetSlots
+
+
 @dataclass
 class Step:
     logits: object  # numpy [B, V] (compact vocabulary), the last position of each row
@@ -95,19 +159,18 @@ class _EngineShard:
     def forward(self, ids, new: bool):
         return self.engines.forward(ids, self._all_reduce, new=new)
 
-    def answer(self, op: str, payload):
+    def answer(self, message: SlotMessage):
         """The sequence-slot operations (runtime/track_backend.py): caches kept per key."""
-        if op == "run":
-            drops, keys, ids, every = payload
-            self.engines.drop(drops)
-            return self.engines.run(keys, ids, self._all_reduce, every)
-        if op == "read":
-            return self.engines.read(*payload)
-        if op == "write":
-            return self.engines.write(*payload)
-        if op == "reset":  # a new set of slots: the caches of the one before are gone
+        if isinstance(message, RunSlots):
+            self.engines.drop(message.drops)
+            return self.engines.run(message.keys, message.ids, self._all_reduce, message.every)
+        if isinstance(message, ReadSlot):
+            return self.engines.read(message.key, message.start, message.stop)
+        if isinstance(message, WriteSlot):
+            return self.engines.write(message.key, message.rows)
+        if isinstance(message, ResetSlots):
             return self.engines.caches.clear()
-        raise ValueError(f"unknown operation {op!r}")
+        raise ValueError(f"unknown message {type(message).__name__}")
 
 
 def _worker(conn, spec, rank: int, world: int, port: int, threads: int, heartbeat=None) -> None:
@@ -128,23 +191,23 @@ def _worker(conn, spec, rank: int, world: int, port: int, threads: int, heartbea
             dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                     rank=rank, world_size=world)
         shard = spec.load(rank, world, device, threads)
-        conn.send(("ready", os.getpid()))
+        conn.send(RankReady(os.getpid()))
         with torch.no_grad():
             while True:
                 message = conn.recv()
-                if message is None:
+                if isinstance(message, StopRank):
                     break
-                command, payload = message
                 before = shard.syncs
-                if command in ("prefill", "decode"):
-                    value = shard.forward(payload, new=command == "prefill")
+                if isinstance(message, Forward):
+                    value = shard.forward(message.ids, new=message.new)
                 else:
-                    value = shard.answer(command, payload)
-                conn.send(("ok", value if rank == 0 or command == "read" else None, shard.syncs - before))
+                    value = shard.answer(message)
+                conn.send(RankAnswer(value if rank == 0 or isinstance(message, ReadSlot) else None,
+                                     shard.syncs - before))
     except (EOFError, KeyboardInterrupt):
         pass
     except Exception as exc:  # reported to the caller, who raises it as one clear error
-        conn.send(("error", f"worker {rank}: {type(exc).__name__}: {exc}", 0))
+        conn.send(RankFailed(f"worker {rank}: {type(exc).__name__}: {exc}"))
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -175,7 +238,7 @@ class ShardedDecoder:
             self.conns.append(parent)
             self.procs.append(proc)
             self.heartbeats.append(beats)
-        self.pids = [self._receive(rank, start_timeout)[1] for rank in range(world)]
+        self.pids = [self._receive(rank, start_timeout).pid for rank in range(world)]
 
     def _receive(self, rank: int, timeout: float | None = None):
         timeout = self.timeout if timeout is None else timeout
@@ -188,9 +251,9 @@ class ShardedDecoder:
             code = self.procs[rank].exitcode
             self.close()
             raise TrtServeError(f"sharded worker {rank} exited (exit code {code}) before answering") from None
-        if message[0] == "error":
+        if isinstance(message, RankFailed):
             self.close()
-            raise TrtServeError(message[1])
+            raise TrtServeError(message.error)
         return message
 
     def _wait(self, rank: int, timeout: float) -> bool:
@@ -204,39 +267,39 @@ class ShardedDecoder:
                 return False
         return True
 
-    def _run(self, command: str, ids) -> Step:
+    def _run(self, message: Forward) -> Step:
         started = time.perf_counter()
-        self._send(command, ids)
+        self._send(message)
         answers = [self._receive(rank) for rank in range(self.world)]
-        syncs = {answer[2] for answer in answers}
+        syncs = {answer.syncs for answer in answers}
         assert len(syncs) == 1, f"workers disagree on the synchronisations: {syncs}"
-        return Step(answers[0][1], syncs.pop(), time.perf_counter() - started)
+        return Step(answers[0].value, syncs.pop(), time.perf_counter() - started)
 
-    def call(self, command: str, payload) -> list:
-        """A sequence-slot operation on every rank ("run", "read", "write"); each rank's answer."""
-        self._send(command, payload)
-        return [self._receive(rank)[1] for rank in range(self.world)]
+    def call(self, message: SlotMessage) -> list:
+        """A sequence-slot operation on every rank; each rank's answer."""
+        self._send(message)
+        return [self._receive(rank).value for rank in range(self.world)]
 
-    def _send(self, command: str, payload) -> None:
+    def _send(self, message) -> None:
         try:
             for conn in self.conns:
-                conn.send((command, payload))
+                conn.send(message)
         except (OSError, ValueError):  # a rank's pipe is gone
             self.kill()
             raise TrtServeError(f"a sharded worker exited (exit codes {[p.exitcode for p in self.procs]})") from None
 
     def prefill(self, ids) -> Step:
         """Start new sequences: ids [B, T] compact token ids (rows of equal length)."""
-        return self._run("prefill", ids)
+        return self._run(Forward(ids, new=True))
 
     def decode(self, ids) -> Step:
         """One more token per row: ids [B, 1]."""
-        return self._run("decode", ids)
+        return self._run(Forward(ids, new=False))
 
     def close(self) -> None:
         for conn in self.conns:
             try:
-                conn.send(None)
+                conn.send(StopRank())
             except (OSError, BrokenPipeError):
                 pass
         for proc in self.procs:

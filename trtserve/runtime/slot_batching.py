@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from trtserve.runtime.base import Backend, BackendLost
-from trtserve.runtime.batching import ContinuousBatcher, Event, Sequence
+from trtserve.runtime.batching import ContinuousBatcher, Sequence
+from trtserve.runtime.events import Event, failed
 
 
 def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
@@ -102,7 +103,7 @@ class SlotBatcher(ContinuousBatcher):
         except Exception as exc:  # noqa: BLE001 - the call's sequences end, the batcher goes on
             ids_gone = {s.id for s in seqs}
             self._drop([i for i, s in enumerate(self.table) if s.id in ids_gone])
-            return None, [Event(s.id, -1, error=f"{type(exc).__name__}: {exc}") for s in seqs]
+            return None, [failed(s.id, exc) for s in seqs]
 
     def _prefill_chunk(self) -> list[Event]:
         first = self.d

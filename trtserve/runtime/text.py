@@ -11,6 +11,7 @@ import numpy as np
 from trtserve.errors import InputError
 from trtserve.runtime import generate
 from trtserve.runtime.base import Backend
+from trtserve.runtime.events import FinishReason
 from trtserve.runtime.sampling import SamplingParams, finish_reason
 
 
@@ -164,7 +165,7 @@ class TextEngine:
         params, out = SamplingParams(max_tokens=max_new_tokens, temperature=0), []
         for token in tokens[0].tolist():
             finish = finish_reason(token, params, self.eos_ids, len(out) + 1, longest + len(out) + 1, self.max_seq)
-            if finish == "stop":
+            if finish is FinishReason.STOP:
                 break
             out.append(token)
             if finish:

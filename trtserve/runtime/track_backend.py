@@ -22,6 +22,7 @@ import numpy as np
 from trtserve.errors import InputError, TrtServeError
 from trtserve.runtime.base import Abilities, BackendLost
 from trtserve.runtime.kv_slots import checked_lengths
+from trtserve.runtime.sharded import ReadSlot, ResetSlots, RunSlots, WriteSlot
 
 
 class TrackBackend:
@@ -73,7 +74,7 @@ class TrackBackend:
     def kv_slots(self, slots: int) -> TrackSlots:
         """Slots for a new batcher: the ranks' caches of any batcher before are dropped."""
         slots = TrackSlots(self, self.ranks(), slots)
-        slots._call("reset", None)
+        slots._call(ResetSlots())
         return slots
 
     def infer(self, feeds):
@@ -96,11 +97,11 @@ class TrackSlots:
         self.keys = [next(backend.keys) for _ in range(slots)]  # slot -> the key of its cache in the ranks
         self._drops: list[int] = []  # caches to drop with the next call
 
-    def _call(self, op: str, payload) -> list:
+    def _call(self, message) -> list:
         if self.decoder is not self.backend.decoder:
             raise BackendLost("the track workers were restarted; this sequence's cache is gone")
         try:
-            return self.decoder.call(op, payload)
+            return self.decoder.call(message)
         except TrtServeError as exc:
             raise BackendLost(f"the track workers failed: {exc}") from None
 
@@ -117,7 +118,7 @@ class TrackSlots:
             keys = [self.keys[first + r] for r in members]
             compact = self.backend.to_compact[ids[members, :n]]
             drops, self._drops = self._drops, []
-            logits = self._call("run", (drops, keys, compact, every))[0]  # rank 0's
+            logits = self._call(RunSlots(drops, keys, compact, every))[0]  # rank 0's
             for i, r in enumerate(members):
                 chosen = logits[i][np.minimum(logit_index[r], n - 1)] if every else logits[i][None]
                 out[r][:, self.backend.known_ids] = chosen[:, self.backend.known]
@@ -147,7 +148,7 @@ class TrackSlots:
         if not 0 <= start <= stop <= self.length[slot]:
             raise InputError(f"rows {start}..{stop} are not all cached in slot {slot} ({self.length[slot]} are)")
         rows: dict[str, np.ndarray] = {}
-        for part in self._call("read", (self.keys[slot], start, stop)):
+        for part in self._call(ReadSlot(self.keys[slot], start, stop)):
             rows.update(part)
         return rows
 
@@ -156,5 +157,5 @@ class TrackSlots:
         if n > self.capacity:
             raise InputError(f"{n} rows do not fit the context of {self.capacity}")
         self.clear(slot)
-        self._call("write", (self.keys[slot], rows))
+        self._call(WriteSlot(self.keys[slot], rows))
         self.length[slot] = n

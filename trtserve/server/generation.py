@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from trtserve.runtime.events import Event, Failure, FinishReason
 from trtserve.runtime.generation_defaults import RANGES, generation_defaults
 from trtserve.runtime.sampling import SamplingParams
 from trtserve.runtime.text import token_ids
@@ -225,7 +226,7 @@ class DecoderService(Service):
 
     # -- one sequence ---------------------------------------------------------------------------
     async def pieces(self, job: Job, next_event, where: int):
-        """Pieces from a sequence's events ({token, finish, logprob, top_logprobs, error} dicts)."""
+        """Pieces from a sequence's events (runtime.events.Event)."""
         from tokenizers.decoders import DecodeStream
 
         ids, logprobs, sent, done, tokens_sent, scored = [], [], "", False, 0, None
@@ -233,24 +234,24 @@ class DecoderService(Service):
         started = last = time.perf_counter()
         while not done:
             event = await next_event()
-            if event.get("error"):
-                raise _event_error(event["error"], where)
+            if event.failure is not None:
+                raise _event_error(event, where)
             now = time.perf_counter()
             self._observe("ttft" if not ids and last == started else "itl", now - last)
             last = now
-            finish = event["finish"]
-            scored = event.get("prompt_logprobs") or scored
-            if event["token"] >= 0:
-                ids.append(event["token"])
+            finish = None if event.finish is None else event.finish.value  # the API's finish_reason
+            scored = event.prompt_logprobs or scored
+            if event.token >= 0:
+                ids.append(event.token)
                 self._observe("tokens", 1)
-                if event["logprob"] is not None:
-                    logprobs.append((event["token"], event["logprob"], event["top_logprobs"]))
-                text += decoder.step(self.tokenizer, event["token"]) or ""  # None: half a character so far
+                if event.logprob is not None:
+                    logprobs.append((event.token, event.logprob, event.top_logprobs))
+                text += decoder.step(self.tokenizer, event.token) or ""  # None: half a character so far
             if finish is not None:  # the whole decode once, so the final text is exactly decode(ids)
                 text = self.tokenizer.decode(ids)
             cut = _first_stop(text, job.stop, len(sent)) if len(ids) >= job.params.min_tokens else None
             if cut is not None:
-                text, finish = text[:cut], "stop"
+                text, finish = text[:cut], FinishReason.STOP.value
             done = finish is not None
             safe = len(text) if done else _safe_end(text, job.stop)
             if done or (safe > len(sent) and text.startswith(sent)):
@@ -374,16 +375,17 @@ def _safe_end(text: str, stops: list[str]) -> int:
     return end - hold
 
 
-def _event_error(error: str, worker: int) -> ServingError:
+def _event_error(event: Event, worker: int) -> ServingError:
+    """The answer to a sequence that ended on a failure, by its kind."""
     from trtserve.runtime.sampling import RULED_OUT
 
-    if error.endswith(RULED_OUT):
+    if event.failure is Failure.RULED_OUT:
         return BadRequest(RULED_OUT)
-    if error == "worker_died":
+    if event.failure is Failure.WORKER_DIED:
         return Unavailable(f"worker {worker} stopped while generating this sequence; retry the request")
-    if error == "worker_hung":
+    if event.failure is Failure.WORKER_HUNG:
         return Unavailable(f"worker {worker} stopped making progress and is being restarted; retry the request")
-    return ServingError(f"the backend failed while generating: {error}")
+    return ServingError(f"the backend failed while generating: {event.error}")
 
 
 def check_tracks_option(engine_dir, manifest, tracks: int | None, workers: int | None = None) -> None:

@@ -1,6 +1,6 @@
-"""Generation across the worker boundary. The worker side runs the continuous batcher: it takes
-("add", ...) and ("cancel", id) messages between decode steps and sends each step's new tokens
-back in one message. The server side writes to the pipe from a thread of its own (the event loop
+"""Generation across the worker boundary (its messages: server/messages.py). The worker side runs the continuous
+batcher: it takes AddSequences and CancelSequence between decode steps and sends each step's events back in one
+StepEvents. The server side writes to the pipe from a thread of its own (the event loop
 never blocks on a full pipe) and reads on another thread, routing every event to the asyncio queue
 of its sequence; if the worker dies or stops making progress, every sequence it held gets an error.
 
@@ -18,7 +18,8 @@ import threading
 import time
 
 from trtserve.runtime.base import BackendLost
-from trtserve.runtime.sampling import SamplingParams
+from trtserve.runtime.events import Event, Failure, failed, lost
+from trtserve.server.messages import AddSequences, CancelSequence, NewSequence, StepEvents, StopWorker
 
 log = logging.getLogger("trtserve.server")
 _ids = itertools.count()
@@ -54,9 +55,8 @@ class ServerGone(Exception):
 
 def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_prefill_tokens: int | None = None,
                     prefix_cache_mib: int = 0, batcher=None) -> None:
-    """Worker side: serve ("add", [(id, prompt ids, params dict), ...]) (a request's sequences,
-    which join the waiting queue together), ("cancel", id), ("stop", None). `batcher`: one already
-    built by new_batcher with the same options."""
+    """Worker side: serve AddSequences, CancelSequence and StopWorker messages. `batcher`: one already built by
+    new_batcher with the same options."""
 
     def fresh():
         return new_batcher(text, max_num_seqs, max_batched_tokens, max_prefill_tokens, prefix_cache_mib)
@@ -65,41 +65,43 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
     cache = getattr(batcher, "prefix_cache", None)
     reported = (cache.queries, cache.hits) if cache is not None else (0, 0)  # an inline worker's cache outlives a loop
 
-    def send(events: list[dict]) -> None:
+    def send(events: list[Event]) -> None:
         nonlocal reported
-        # sequences in a chunked prefill count as running: admitted, holding cache rows
         cache = getattr(batcher, "prefix_cache", None)
         totals = (cache.queries, cache.hits) if cache is not None else reported
-        prefix, reported = (totals[0] - reported[0], totals[1] - reported[1]), totals  # new since the last message
-        conn.send(("events", (events, batcher.running + batcher.prefilling, len(batcher.waiting), prefix)))
+        queried, found = totals[0] - reported[0], totals[1] - reported[1]  # new since the last message
+        reported = totals
+        # sequences in a chunked prefill count as running: admitted, holding cache rows
+        conn.send(StepEvents(events, batcher.running + batcher.prefilling, len(batcher.waiting), queried, found))
 
-    def first_tokens(early: list) -> None:  # a prefill's first tokens go out before the step's decode call
+    def first_tokens(early: list[Event]) -> None:  # a prefill's first tokens go out before the step's decode call
         try:
-            send(failed + [e.__dict__ for e in early])
+            send(refused + early)
         except (EOFError, OSError) as exc:
             raise ServerGone from exc
-        failed.clear()
+        refused.clear()
 
     while True:
         try:
             waiting = not batcher.has_work()
-            failed = []
+            refused: list[Event] = []
             while conn.poll(None if waiting else 0):  # block only when there is nothing to decode
-                op, payload = conn.recv()
+                message = conn.recv()
                 waiting = False
-                if op == "stop":
+                if isinstance(message, StopWorker):
                     return
-                if op == "add":
-                    for seq_id, prompt, params in payload:
+                if isinstance(message, AddSequences):
+                    for seq in message.sequences:
                         try:
-                            batcher.add(seq_id, prompt, SamplingParams(**params))
+                            batcher.add(seq.id, seq.prompt, seq.params)
                         except Exception as exc:  # noqa: BLE001 - this sequence fails, the loop goes on
-                            failed.append({"id": seq_id, "token": -1, "error": f"{type(exc).__name__}: {exc}"})
-                elif op == "cancel":
-                    batcher.cancel(payload)
+                            refused.append(failed(seq.id, exc))
+                elif isinstance(message, CancelSequence):
+                    batcher.cancel(message.id)
+                else:
+                    log.error("generation worker: an unknown message %s is ignored", type(message).__name__)
             try:
-                stepped = batcher.step(first_tokens)
-                events = failed + [e.__dict__ for e in stepped]
+                events = refused + batcher.step(first_tokens)
             except BackendLost as exc:  # the backend's processes are gone: so is this worker, which is restarted
                 log.error("generation worker: %s; leaving so that it is started afresh", exc)
                 return
@@ -108,7 +110,7 @@ def generation_loop(conn, text, max_num_seqs: int, max_batched_tokens: int, max_
             except Exception as exc:  # noqa: BLE001 - a bug in a step: its sequences fail, the worker lives
                 log.exception("generation step failed")
                 held = dict.fromkeys(s.id for s in batcher.held())
-                events = failed + [{"id": i, "token": -1, "error": f"{type(exc).__name__}: {exc}"} for i in held]
+                events = refused + [failed(i, exc) for i in held]
                 batcher = fresh()
             send(events)
         except (EOFError, OSError):  # the server is gone
@@ -142,8 +144,8 @@ class GenerationChannel:
             queue: asyncio.Queue = asyncio.Queue()
             self.streams[seq_id], self.tokens[seq_id] = queue, len(prompt)
             opened.append((seq_id, queue))
-            message.append((seq_id, prompt, params.to_dict()))
-        self._outbox.put(("add", message))
+            message.append(NewSequence(seq_id, list(prompt), params))
+        self._outbox.put(AddSequences(message))
         return opened
 
     def close(self, seq_id: str) -> None:
@@ -151,7 +153,7 @@ class GenerationChannel:
         (a stop string found here, a client gone, a deadline: the worker would go on otherwise)."""
         self.tokens.pop(seq_id, None)
         if self.streams.pop(seq_id, None) is not None:
-            self._outbox.put(("cancel", seq_id))
+            self._outbox.put(CancelSequence(seq_id))
 
     def queued_tokens(self) -> int:
         return sum(self.tokens.values())
@@ -161,13 +163,13 @@ class GenerationChannel:
         return bool(self.streams) and not self.closed and time.monotonic() - self.progress > deadline
 
     def stop_worker(self) -> None:
-        self._outbox.put(("stop", None))
+        self._outbox.put(StopWorker())
 
-    def fail(self, error: str) -> None:
-        """Give up on the worker (hung): every open sequence gets `error`; nothing more is sent."""
+    def fail(self, why: Failure) -> None:
+        """Give up on the worker (hung, or gone): every open sequence ends with `why`; nothing more is sent."""
         self.closed = True
         self._outbox.put(None)
-        self.loop.call_soon_threadsafe(self._fail_all, error)
+        self.loop.call_soon_threadsafe(self._fail_all, why)
 
     def _write(self) -> None:
         while (message := self._outbox.get()) is not None:
@@ -180,38 +182,42 @@ class GenerationChannel:
     def _read(self) -> None:
         while True:
             try:
-                kind, (events, running, waiting, prefix) = self.conn.recv()
+                message = self.conn.recv()
             except (EOFError, OSError, TypeError, ValueError):
+                break
+            if not isinstance(message, StepEvents):
+                log.error("generation worker sent an unknown message %s; it is treated as gone",
+                          type(message).__name__)
                 break
             self.progress = time.monotonic()
             try:
-                self.loop.call_soon_threadsafe(self._dispatch, events, running, waiting, prefix)
+                self.loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:  # the server's loop is gone (shutdown)
                 break
         self.closed = True
         self.running = self.waiting = 0
         self._outbox.put(None)
         try:
-            self.loop.call_soon_threadsafe(self._fail_all, "worker_died")
+            self.loop.call_soon_threadsafe(self._fail_all, Failure.WORKER_DIED)
         except RuntimeError:  # the server's loop is gone (shutdown): nobody is waiting
             pass
 
-    def _dispatch(self, events: list[dict], running: int, waiting: int, prefix=(0, 0)) -> None:
+    def _dispatch(self, step: StepEvents) -> None:
         # also after `closed`: a dying worker's last events still reach their streams (_fail_all,
         # which runs after, answers the rest; a hung worker's streams were already failed and dropped)
-        self.running, self.waiting = running, waiting
-        if any(prefix) and self.on_prefix is not None:
-            self.on_prefix(*prefix)
-        for event in events:
-            queue = self.streams.get(event["id"])
+        self.running, self.waiting = step.running, step.waiting
+        if (step.prefix_queried or step.prefix_found) and self.on_prefix is not None:
+            self.on_prefix(step.prefix_queried, step.prefix_found)
+        for event in step.events:
+            queue = self.streams.get(event.id)
             if queue is not None:
                 queue.put_nowait(event)
-                if event.get("finish") or event.get("error"):  # ended in the worker: no longer held there
-                    self.streams.pop(event["id"], None)
-                    self.tokens.pop(event["id"], None)
+                if event.ended:  # ended in the worker: no longer held there
+                    self.streams.pop(event.id, None)
+                    self.tokens.pop(event.id, None)
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, why: Failure) -> None:
         for seq_id, queue in list(self.streams.items()):
-            queue.put_nowait({"id": seq_id, "token": -1, "error": error})
+            queue.put_nowait(lost(seq_id, why))
         self.streams.clear()
         self.tokens.clear()

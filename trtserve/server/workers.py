@@ -23,8 +23,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from trtserve.runtime.events import Failure
 from trtserve.runtime.heartbeat import new_heartbeat, silent_for, start_beating
 from trtserve.server.errors import ServingError, Unavailable
+from trtserve.server.messages import EmbedFailed, Embedded, EmbedRows, StopWorker, WorkerFailed, WorkerReady
 
 log = logging.getLogger("trtserve.server")
 LOAD_TIMEOUT = 300.0
@@ -37,8 +39,8 @@ class WorkerError(ServingError):
 
 def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None, generation: dict | None,
                  heartbeat=None, ranks: dict | None = None) -> None:
-    """Body of a worker process: load the engine, then answer ("embed", rows) until told to stop,
-    or, for decoders (`generation` options given), run the continuous batcher."""
+    """Body of a worker process: load the engine, then answer EmbedRows until told to stop (StopWorker), or, for
+    decoders (`generation` options given), run the continuous batcher (server/messages.py has every message)."""
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops its workers
@@ -51,24 +53,24 @@ def _worker_main(conn, engine_dir: str, device: int | None, threads: int | None,
 
             batcher = new_batcher(text, **generation)
     except Exception as exc:  # reported to the server, which refuses to start with this message
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send(WorkerFailed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", (os.getpid(), _processes(text.backend))))
+    conn.send(WorkerReady(os.getpid(), _processes(text.backend)))
     if generation is not None:
         generation_loop(conn, text, **generation, batcher=batcher)
         text.backend.close()
         return
     while True:
         try:
-            op, payload = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):  # the server is gone
             break
-        if op == "stop":
+        if not isinstance(message, EmbedRows):  # StopWorker
             break
         try:
-            conn.send(("ok", text.encode_ids(payload)))
+            conn.send(Embedded(text.encode_ids(message.rows)))
         except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(EmbedFailed(f"{type(exc).__name__}: {exc}"))
     text.backend.close()
 
 
@@ -140,8 +142,8 @@ class Worker:
         """Seconds since its last heartbeat, when over --heartbeat-timeout (None: beating, or no heartbeat)."""
         return None
 
-    def hung(self, why: str, error: str) -> bool:
-        """Give up on it (silent, or stalled): what it held fails with `error`; whether it is running again
+    def hung(self, why: str) -> bool:
+        """Give up on it (silent, or stalled): what it held fails as WORKER_HUNG; whether it is running again
         already (an in-process loop is replaced at once; a process is killed, and restarted once died())."""
         raise NotImplementedError
 
@@ -227,18 +229,18 @@ class ProcessWorker(Worker):
         try:
             if not parent.poll(LOAD_TIMEOUT):
                 raise RuntimeError(f"worker {self.index} did not load the engine within {LOAD_TIMEOUT:g} s")
-            status, info = parent.recv()
+            started = parent.recv()
         except EOFError:
             proc.join(5)
             raise RuntimeError(f"worker {self.index} exited (code {proc.exitcode}) while loading the engine") from None
         except BaseException:
             proc.kill()
             raise
-        if status != "ready":
+        if not isinstance(started, WorkerReady):
             proc.join(5)
-            raise RuntimeError(f"worker {self.index} could not load the engine: {info}")
+            raise RuntimeError(f"worker {self.index} could not load the engine: {getattr(started, 'error', started)}")
         self.proc, self.conn, self.heartbeat = proc, parent, heartbeat
-        self.processes = info[1]
+        self.processes = started.processes
         self.started = {pid: _started(pid) for pid in self.processes}
         if self.generation is not None:
             self._open_channel()
@@ -249,17 +251,17 @@ class ProcessWorker(Worker):
         if not self.ready or conn is None:
             raise Unavailable(f"worker {self.index} is restarting; retry the request")
         try:
-            conn.send(("embed", rows))
+            conn.send(EmbedRows(rows))
             if not conn.poll(self.deadline):
                 self.kill(f"it did not answer a batch within {self.deadline:g} s (--worker-timeout)")
                 raise Unavailable(f"worker {self.index} did not answer within {self.deadline:g} s and is being "
                                   "restarted; retry the request")
-            status, value = conn.recv()
+            answer = conn.recv()
         except (EOFError, OSError):
             raise Unavailable(f"worker {self.index} stopped while running this request; retry it") from None
-        if status == "error":
-            raise WorkerError(f"the backend failed on this batch: {value}")
-        return value
+        if isinstance(answer, EmbedFailed):
+            raise WorkerError(f"the backend failed on this batch: {answer.error}")
+        return answer.outputs
 
     def died(self) -> bool:
         return self.ready and self.proc is not None and not self.proc.is_alive()
@@ -270,9 +272,9 @@ class ProcessWorker(Worker):
         quiet = silent_for(self.heartbeat)
         return quiet if quiet > self.heartbeat_timeout else None
 
-    def hung(self, why: str, error: str) -> bool:
+    def hung(self, why: str) -> bool:
         if self.channel is not None:
-            self.channel.fail(error)
+            self.channel.fail(Failure.WORKER_HUNG)
         self.kill(why)  # died() sees it next
         return False
 
@@ -299,7 +301,7 @@ class ProcessWorker(Worker):
             return
         if self.channel is None:  # a decoder worker's pipe is written by its channel's thread only
             try:
-                self.conn.send(("stop", None))
+                self.conn.send(StopWorker())
             except (OSError, ValueError):
                 pass
         self.proc.join(timeout)
@@ -358,16 +360,16 @@ class InProcessWorker(Worker):
     def died(self) -> bool:
         return self.ready and self.thread is not None and not self.thread.is_alive()
 
-    def hung(self, why: str, error: str) -> bool:
+    def hung(self, why: str) -> bool:
         log.error("in-process generation loop: %s; starting a new one", why)
-        self.channel.fail(error)
+        self.channel.fail(Failure.WORKER_HUNG)
         self.kill_processes()  # a call waiting on them ends, and the new loop starts them afresh
         self.start_loop()
         return True
 
     def revive(self) -> bool:
         log.error("the in-process generation loop stopped; starting a new one")
-        self.channel.fail("worker_died")
+        self.channel.fail(Failure.WORKER_DIED)
         self.start_loop()
         return True
 
@@ -474,7 +476,7 @@ class WorkerPool:
             why = f"it held sequences and made no progress for {w.deadline:g} s (--worker-timeout)"
         else:
             why = None
-        if why is not None and w.hung(why, "worker_hung"):
+        if why is not None and w.hung(why):
             self._restarted(w)
         if w.died():
             w.ready = False
