@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper, numpy_helper
 
+from trtserve.graph_index import producers as graph_producers
+
 BLOCK = 32  # MatMulNBits' activation blocks are its weight blocks: every blocked weight here uses 32
 ROWS = ".residual.rows"  # the suffix of the Concat that feeds a GEMM its activations and their residual
 
@@ -27,7 +29,7 @@ BIAS = 5  # MatMulNBits' optional bias input (ONNX Runtime folds a following Add
 
 def residual_gemms(model) -> frozenset:
     """The MatMulNBits nodes of `model` that read their input with its residual rows."""
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers = graph_producers(model.graph)
     return frozenset(n.name for n in model.graph.node if n.op_type == "MatMulNBits"
                      and getattr(producers.get(n.input[0]), "name", "").endswith(ROWS))
 
@@ -123,7 +125,7 @@ def without_rounded_activations(model) -> bool:
     moves some values across a rounding boundary (measured on SmolLM2 int4: 3e-8 between two attention kernels
     grew to 1e-3 of the largest logit)."""
     graph = model.graph
-    producers = {o: n for n in graph.node for o in n.output}
+    producers = graph_producers(graph)
     readers: dict[str, list] = {}
     for node in graph.node:
         for name in node.input:

@@ -29,7 +29,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from trtserve.engine_builder.onnxruntime import write_optimized
-from trtserve.graph_files import data_path, load_graph, save_graph, save_structure, tensor_array
+from trtserve.graph_files import data_path, load_graph, save_graph, save_structure
+from trtserve.graph_index import GraphIndex, attr, prune
 from trtserve.runtime.kv_slots import KV_GRAPH, LOGIT_INDEX, QUERY_LENS, SEQLENS, TOTAL
 
 CAPACITY_AXIS = "capacity"
@@ -39,15 +40,8 @@ class NotLowered(Exception):
     """The graph does not have the structure the lowering needs; the message says what was missing."""
 
 
-class _Graph:
-    def __init__(self, graph, base: Path | None = None):
-        self.graph, self.base = graph, base  # base: the folder the graph's external weights are read from
-        self.inits = {i.name: i for i in graph.initializer}
-        self.producer = {o: n for n in graph.node for o in n.output}
-        self.readers: dict[str, list] = {}
-        for n in graph.node:
-            for name in n.input:
-                self.readers.setdefault(name, []).append(n)
+class _Graph(GraphIndex):
+    """The graph's index (graph_index.GraphIndex), and the producer a lowering expects or refuses by name."""
 
     def node(self, tensor: str, op: str, what: str):
         found = self.producer.get(tensor)
@@ -55,29 +49,13 @@ class _Graph:
             raise NotLowered(f"{what}: expected {op} producing {tensor}, found {found.op_type if found else 'none'}")
         return found
 
-    def const(self, name: str) -> np.ndarray | None:
-        init = self.inits.get(name)
-        if init is not None:
-            return tensor_array(init, self.base)
-        node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant":
-            return numpy_helper.to_array(node.attribute[0].t)
-        return None
-
-
-def _attr(node, name, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
 
 def _heads_view(g: _Graph, tensor: str, what: str) -> str:
     """x (B, S, H*D) of a heads view (B, H, S, D): the input of Transpose(0, 2, 1, 3)(Reshape(x)) where the
     graph has it; otherwise (a per-head norm between the two, or after the transpose) a new Transpose and
     Reshape of the view."""
     transpose = g.producer.get(tensor)
-    if transpose is not None and transpose.op_type == "Transpose" and list(_attr(transpose, "perm", [])) == [0, 2, 1, 3]:
+    if transpose is not None and transpose.op_type == "Transpose" and list(attr(transpose, "perm", [])) == [0, 2, 1, 3]:
         inner = g.producer.get(transpose.input[0])
         if inner is not None and inner.op_type == "Reshape":
             return inner.input[0]
@@ -88,7 +66,7 @@ def _heads_view(g: _Graph, tensor: str, what: str) -> str:
 
 
 def _flatten(g: _Graph, tensor: str) -> str:
-    """Reshape (B, S, H, D) -> (B, S, H*D) as a new node (placed by _drop_dead's ordering)."""
+    """Reshape (B, S, H, D) -> (B, S, H*D) as a new node (placed by graph_index.prune's ordering)."""
     if "kv.flat_shape" not in g.inits:
         g.inits["kv.flat_shape"] = numpy_helper.from_array(np.array([0, 0, -1], np.int64), "kv.flat_shape")
         g.graph.initializer.append(g.inits["kv.flat_shape"])
@@ -106,7 +84,7 @@ def _rotated(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, st
         if dims != head:
             raise NotLowered(f"{what}: the rotary embedding covers {dims} of {head} dims without a pass-through")
         return x, cos, sin, dims
-    if len(cat.input) != 2 or _attr(cat, "axis") not in (-1, 3):
+    if len(cat.input) != 2 or attr(cat, "axis") not in (-1, 3):
         raise NotLowered(f"{what}: {cat.name} is not a partial rotary concat")
     part, cos, sin, dims = _rotary(g, cat.input[0], what)
     first, rest = g.node(part, "Slice", what), g.node(cat.input[1], "Slice", what)
@@ -190,7 +168,7 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
     k_flat, v_flat = _heads_view(g, k, what + " key"), _heads_view(g, cat_v.input[1], what + " value")
     pv = [n for n in g.readers.get(f"present.{i}.value", []) if n.op_type == "MatMul"]
     tk = [n for n in g.readers.get(f"present.{i}.key", []) if n.op_type == "Transpose"]
-    if len(pv) != 1 or len(tk) != 1 or list(_attr(tk[0], "perm", [])) != [0, 1, 3, 2]:
+    if len(pv) != 1 or len(tk) != 1 or list(attr(tk[0], "perm", [])) != [0, 1, 3, 2]:
         raise NotLowered(f"{what}: no single scores and values product on the presents")
     qk = [n for n in g.readers.get(tk[0].output[0], []) if n.op_type == "MatMul"]
     if len(qk) != 1:
@@ -206,7 +184,7 @@ def _layer(g: _Graph, i: int, head: int) -> dict:
         raise NotLowered(f"{what}: the scores are not scaled by one constant")
     scores, softcap = _soft_cap(g, scaled[0].output[0], what)
     probs = g.node(g.node(pv[0].input[0], "Reshape", what).input[0], "Softmax", what)
-    if _attr(probs, "axis", -1) != -1:
+    if attr(probs, "axis", -1) != -1:
         raise NotLowered(f"{what}: softmax is not over the keys")
     masked = g.node(probs.input[0], "Add", what + " mask")
     reshaped = [g.producer.get(t) for t in masked.input]
@@ -246,7 +224,7 @@ def _packed_qkv(g: _Graph, f: dict, i: int) -> list[str]:
     products = [g.producer.get(f[t]) for t in ("q", "k", "v")]
     split = products[0]
     if split is not None and split.op_type == "Split" and list(split.output) == [f["q"], f["k"], f["v"]] \
-            and _attr(split, "axis", 0) in (-1, 2):
+            and attr(split, "axis", 0) in (-1, 2):
         return [split.input[0], "", ""]
     if any(p is None or p.op_type != "MatMul" for p in products) or len({p.input[0] for p in products}) != 1:
         return [f["q"], f["k"], f["v"]]
@@ -303,11 +281,11 @@ def _rms_norms(g: _Graph) -> int:
             weighted = _only_reader(g, scaled.output[0], "Mul")
         except NotLowered:
             continue
-        axes = g.const(mean.input[1]) if len(mean.input) > 1 else np.array(_attr(mean, "axes", []))
+        axes = g.const(mean.input[1]) if len(mean.input) > 1 else np.array(attr(mean, "axes", []))
         eps = g.const(next((i for i in add.input if i != mean.output[0]), ""))
         weight = next(i for i in weighted.input if i != scaled.output[0])
         w = g.const(weight)
-        if (axes is None or axes.ravel().tolist() != [-1] or _attr(mean, "keepdims", 1) != 1 or eps is None
+        if (axes is None or axes.ravel().tolist() != [-1] or attr(mean, "keepdims", 1) != 1 or eps is None
                 or eps.size != 1 or x not in scaled.input or w is None or w.ndim != 1):
             continue
         index = list(g.graph.node).index(weighted)
@@ -374,7 +352,7 @@ def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity
             [f["out"], f"present.{i}.key", f"present.{i}.value"], name=f"attention.{i}", domain="com.microsoft",
             num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=f["scale"],
             local_window_size=window if window else -1, **extra))
-    _drop_dead(graph)
+    prune(graph)
     keep = [i for i in graph.input if i.name in {"input_ids"} or i.name.startswith("past_key_values.")]
     used = {name for n in graph.node for name in n.input}
     if any(i.name in used for i in graph.input if i not in keep and i.name != "logit_positions"):
@@ -392,36 +370,6 @@ def lower(model: onnx.ModelProto, heads: int, kv_heads: int, head: int, capacity
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model
-
-
-def _drop_dead(graph) -> None:
-    """Keep the nodes the outputs need, in an order where every input is made before it is read."""
-    producer = {o: n for n in graph.node for o in n.output}
-    needed, order, seen = set(), [], set()
-
-    def visit(tensor: str) -> None:  # depth first, iterative: graphs have thousands of nodes
-        stack = [(tensor, False)]
-        while stack:
-            name, done = stack.pop()
-            node = producer.get(name)
-            needed.add(name)
-            if node is None or id(node) in seen and not done:
-                continue
-            if done:
-                if id(node) not in seen:
-                    seen.add(id(node))
-                    order.append(node)
-                continue
-            stack.append((name, True))
-            stack.extend((i, False) for i in node.input if i and id(producer.get(i)) not in seen)
-
-    for output in graph.output:
-        visit(output.name)
-    del graph.node[:]
-    graph.node.extend(order)
-    inits = [i for i in graph.initializer if i.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
 
 
 CHECK_LENGTHS = (5, 17, 2)  # prompts of the build check; the second is fed in two chunks while the others idle
@@ -513,7 +461,7 @@ def _same_lowerings(main: Path, kv: Path) -> None:
 
     main_model = onnx.load(str(main), load_external_data=False)
     nodes = main_model.graph.node
-    levels = {n.name: _attr(n, "accuracy_level") for n in nodes if n.op_type == "MatMulNBits"}
+    levels = {n.name: attr(n, "accuracy_level") for n in nodes if n.op_type == "MatMulNBits"}
     gathers = any(n.op_type == "GatherBlockQuantized" for n in nodes)
     residual = residual_gemms(main_model)
     model = load_graph(kv, weights=bool(gathers or residual))  # those two rewrite weights; the levels do not

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtserve.graph_index import producers as graph_producers
 from trtserve.precision.policy import MOVEMENT_OPS
 
 
@@ -36,7 +37,7 @@ class Plan:
 
 def lm_head(model) -> str | None:
     """The MatMul whose product is the graph's first output through layout ops only (a decoder's logits)."""
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers = graph_producers(model.graph)
     node = producers.get(model.graph.output[0].name)
     while node is not None and node.op_type in MOVEMENT_OPS | {"Cast"}:
         node = producers.get(node.input[0])
@@ -49,7 +50,7 @@ def normalized_gemms(model) -> frozenset:
 
     norm_nodes = {n for chain in find_patterns(model, ("rmsnorm",))["rmsnorm"] for n in chain}
     norm_nodes |= {n.name for n in model.graph.node if n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization")}
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers = graph_producers(model.graph)
     return frozenset(n.name for n in model.graph.node if n.op_type == "MatMul"
                      and getattr(producers.get(n.input[0]), "name", None) in norm_nodes)
 

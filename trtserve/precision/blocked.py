@@ -21,6 +21,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from trtserve.graph_files import tensor_array
+from trtserve.graph_index import producers, prune
 from trtserve.precision.gguf_blocks import BLOCK, Blocks
 
 OPSET = 21  # blocked DequantizeLinear and the 4-bit types
@@ -153,7 +154,7 @@ def write_blocks(model, found: dict, report: dict) -> None:
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(rewrite.initializers)
-    _drop_dead(graph)
+    prune(graph)  # the fp32 weights (and their Transposes) the blocks replaced
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = max(opset.version, OPSET)
@@ -181,11 +182,11 @@ def weight_candidates(graph, base: Path | None = None) -> Iterator[tuple]:
     and each Gather(axis 0) on a 2-D initializer table, read one weight at a time: a graph loaded without its
     weights (graph_files.load_graph(weights=False)) reads each from its file under `base` as it comes."""
     inits = {i.name: i for i in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
+    made_by = producers(graph)
     for node in list(graph.node):
         rows = None
-        if node.op_type == "MatMul" and _two_dims(node.input[1], inits, producers):
-            rows, weight = weight_rows(node.input[1], inits, producers, base)
+        if node.op_type == "MatMul" and _two_dims(node.input[1], inits, made_by):
+            rows, weight = weight_rows(node.input[1], inits, made_by, base)
             kind = "gemms"
         elif node.op_type == "Gather" and node.input[0] in inits and _fp32_matrix(inits[node.input[0]]) \
                 and not any(a.name == "axis" and a.i for a in node.attribute):
@@ -222,19 +223,3 @@ def _fuse(rewrite: Rewrite, group: list, blocks: list[Blocks], report: dict) -> 
                                           axis=-1))
     for node in group:
         report["gemms"][node.name]["computed_with"] = [n.name for n in group]
-
-
-def _drop_dead(graph) -> None:
-    """Remove nodes nothing reads (the fp32 Transpose of a rewired weight) and unused initializers."""
-    outputs = {o.name for o in graph.output}
-    while True:
-        used = {i for n in graph.node for i in n.input} | outputs
-        dead = [n for n in graph.node if not any(o in used for o in n.output)]
-        if not dead:
-            break
-        for n in dead:
-            graph.node.remove(n)
-    used = {i for n in graph.node for i in n.input} | outputs
-    keep = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)

@@ -15,11 +15,12 @@ stay fp32.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from trtserve.graph_index import GraphIndex
 from trtserve.precision.policy import Policy
 
 FP16_MAX = 65504.0
@@ -48,37 +49,25 @@ class PassReport:
         }
 
 
-class _Graph:
-    """Index of one graph: tensor types, initializers, producers and consumers."""
+class _Graph(GraphIndex):
+    """The graph's index (graph_index.GraphIndex) and what the precision passes ask of it: float tensors, and
+    whether an initializer fits fp16."""
 
     def __init__(self, model):
-        import onnx
         from onnx import TensorProto
 
+        super().__init__(model.graph)
         self.g = model.graph
         self.FLOAT, self.HALF = TensorProto.FLOAT, TensorProto.FLOAT16
-        self.types = {}
-        for value in list(self.g.input) + list(self.g.value_info) + list(self.g.output):
-            self.types[value.name] = value.type.tensor_type.elem_type
-        self.inits = {init.name: init for init in self.g.initializer}
-        for name, init in self.inits.items():
-            self.types[name] = init.data_type
-        self.producer = {out: node for node in self.g.node for out in node.output}
-        self.consumers = defaultdict(list)
-        for node in self.g.node:
-            for name in node.input:
-                self.consumers[name].append(node)
+        self.consumers = self.readers
         self._absmax = {}
-        self._onnx = onnx
 
     def is_float(self, name: str) -> bool:
         return bool(name) and self.types.get(name) == self.FLOAT
 
     def fits(self, name: str) -> bool:
         if name not in self._absmax:
-            from onnx import numpy_helper
-
-            array = numpy_helper.to_array(self.inits[name])
+            array = self.const(name)
             self._absmax[name] = float(np.abs(array).max()) if array.size else 0.0
         return self._absmax[name] <= FP16_MAX
 

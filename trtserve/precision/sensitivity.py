@@ -17,6 +17,7 @@ torch Linear weights are matched to graph weights by their bytes, as GGUF blocks
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,18 +236,28 @@ def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, f
     ref = reference
     low = {key: ("fp32" if shape[1] % BLOCK or key not in ref.originals else "int8" if key in eight_bit else fmt)
            for key, shape in weights.items()}
+    started = time.perf_counter()
     sensitivity = ref.ranking(low)
+    say(f"weights: {len(sensitivity)} ranked by their local error in one pass ({time.perf_counter() - started:.1f}s)")
 
     def mix(kept: int) -> dict:
         return mixed(low, sensitivity, kept)
 
-    kept, best = 0, ref.metrics(mix(0))
+    def measured(kept: int) -> dict:
+        started = time.perf_counter()
+        metrics = ref.metrics(mix(kept))
+        say(f"weights: the {kept} most sensitive kept safer: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "effect")
+            + f" ({'meets' if meets(metrics, target) else 'misses'} the target; {time.perf_counter() - started:.1f}s)")
+        return metrics
+
+    kept, best = 0, measured(0)
     if not meets(best, target):
         lo, hi = 0, len(sensitivity)
-        best = ref.metrics(mix(hi))
+        best = measured(hi)
         while lo + 1 < hi:  # invariant: mix(hi) meets the target (or hi is everything), mix(lo) does not
             mid = (lo + hi) // 2
-            m = ref.metrics(mix(mid))
+            m = measured(mid)
             if meets(m, target):
                 hi, best = mid, m
             else:
