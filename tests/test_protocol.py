@@ -69,11 +69,22 @@ def test_response_models_leave_out_what_openai_leaves_out_and_parse_in_the_offic
     `tool_calls`, a call's message has `content: null`, a chunk carries `usage: null`; the openai package's
     own models read them back."""
     from openai.types import Completion
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
+    from openai.types.chat import ChatCompletion
+    from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 
-    from trtserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                          ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionLogprobs,
-                                          CompletionResponse, CompletionUsage, ToolCallDelta)
+    from trtserve.server.protocol import (
+        AssistantMessage,
+        ChatChoice,
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        ChatCompletionResponse,
+        ChatDelta,
+        CompletionChoice,
+        CompletionLogprobs,
+        CompletionResponse,
+        CompletionUsage,
+        ToolCallDelta,
+    )
 
     usage = CompletionUsage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
     head = {"id": "x", "created": 1, "model": "m"}

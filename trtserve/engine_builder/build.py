@@ -334,8 +334,8 @@ def _export(source: ModelSource, path: Path) -> None:
     import onnx
 
     from trtserve.engine_builder.export import export_onnx
-    from trtserve.models.loading import load_torch_model
     from trtserve.memory import return_freed_memory
+    from trtserve.models.loading import load_torch_model
 
     with step(f"loading {source.model_id} in torch fp32"):
         model = load_torch_model(source)

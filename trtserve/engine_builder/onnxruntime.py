@@ -191,7 +191,6 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
     accuracy level, the residual rows of those in `residual`, and GatherBlockQuantized for an embedding read
     through DequantizeLinear (which ONNX Runtime 1.32 would otherwise dequantize whole on every call).
     Returns the accuracy-level counts ("4+residual" for GEMMs given residual rows)."""
-    import onnx
 
     from trtserve.engine_builder.activation_residual import add_residual_rows, takes_residual
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import platform
 import statistics
-from importlib import metadata
 import time
+from importlib import metadata
 
 import numpy as np
 

@@ -146,8 +146,6 @@ def build_trt(onnx_path: Path, out_dir: Path, manifest, options: TrtOptions = Tr
     """Build `out_dir/model.plan` from the mixed ONNX graph; return the manifest's `tensorrt` entry.
     `manifest`: the engine's so far (its model, io and shapes are read)."""
     from trtserve.engine_dir import as_manifest
-
-
     from trtserve.runtime.trt_lib import flavour_of, load_tensorrt, logger
 
     trt, flavour = load_tensorrt()

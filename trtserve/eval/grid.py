@@ -7,8 +7,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtserve.errors import TrtServeError
 from trtserve.engine_builder import PRECISIONS  # every policy build-engine takes
+from trtserve.errors import TrtServeError
 from trtserve.precision.policy import POLICIES
 
 PRESETS = Path(__file__).parent / "presets"

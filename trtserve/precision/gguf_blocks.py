@@ -50,7 +50,7 @@ class Blocks:
                 np.add(w, self.minimum[part, :, None], out=w)
         return out
 
-    def rows(self, order: np.ndarray) -> "Blocks":
+    def rows(self, order: np.ndarray) -> Blocks:
         minimum = None if self.minimum is None else self.minimum[order]
         return Blocks(self.name, self.format, self.q[order], self.scale[order], minimum)
 

@@ -55,12 +55,12 @@ class Target:
         return min(self.min_token_cosine, RANDOM_TOKEN_COSINE) if bound is None else bound
 
     @classmethod
-    def parity(cls) -> "Target":
+    def parity(cls) -> Target:
         return cls(min_cosine=0.99999, min_token_cosine=0.9999, min_top1=1.0, max_ppl_delta=1e-3, max_abs_error=1e-4,
                    min_random_token_cosine=0.9999)
 
     @classmethod
-    def for_weights(cls, weights: str, kind: str) -> "Target":
+    def for_weights(cls, weights: str, kind: str) -> Target:
         """The default target of a policy by its weight format: decoders are judged by top-1 agreement and
         perplexity (logit cosines only guard against garbage), encoders by their embeddings' cosines."""
         if weights == "int8":
@@ -75,7 +75,7 @@ class Target:
         return cls(min_top1=FP16_TOP1) if weights == "float" and kind == "decoder" else cls()
 
     @classmethod
-    def parse(cls, text: str) -> "Target":
+    def parse(cls, text: str) -> Target:
         """'cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005' (any subset)."""
         values = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
@@ -98,13 +98,13 @@ class Corpus:
         self.paragraphs, self.name = paragraphs, name
 
     @classmethod
-    def wikipedia(cls) -> "Corpus":
+    def wikipedia(cls) -> Corpus:
         from trtserve.data.corpus import wiki_paragraphs
 
         return cls(list(wiki_paragraphs()), "Wikipedia (gensim enwiki sample)")
 
     @classmethod
-    def from_file(cls, path) -> "Corpus":
+    def from_file(cls, path) -> Corpus:
         text = open(path, encoding="utf-8", errors="replace").read()
         paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()] or [text]
         return cls(paragraphs, f"file {path}")

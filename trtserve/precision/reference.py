@@ -105,7 +105,7 @@ class _KeptHead:
         self.weight, self.bias, self.module = weight, bias, module
 
     @classmethod
-    def of(cls, head) -> "_KeptHead":
+    def of(cls, head) -> _KeptHead:
         import torch
 
         if not isinstance(head, torch.nn.Linear) or head.weight.dtype != torch.float32:

@@ -19,7 +19,7 @@ class TensorSpec:
     shape: tuple  # ints for fixed axes, names ("batch", "sequence", ...) for dynamic ones
 
     @classmethod
-    def of(cls, tensor) -> "TensorSpec":
+    def of(cls, tensor) -> TensorSpec:
         """From the manifest's io entry (engine_dir.manifest.Tensor)."""
         return cls(tensor.name, tensor.dtype, tuple(tensor.shape))
 

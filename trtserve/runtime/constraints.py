@@ -86,7 +86,7 @@ def _bounded(node, closed: bool):
     return out
 
 
-def grammar_tokenizer(tokenizer, vocab: int, eos_ids) -> "object":
+def grammar_tokenizer(tokenizer, vocab: int, eos_ids) -> object:
     """llguidance's view of a `tokenizers.Tokenizer` for logits of width `vocab` (about 0.4 s: build once)."""
     import llguidance
 

@@ -5,17 +5,17 @@ people). These cross the generation worker's pipe as they are (server/messages.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why a sequence ended, as OpenAI's `finish_reason` names it."""
 
     STOP = "stop"  # end-of-sequence, a stop token or a stop string
     LENGTH = "length"  # max_tokens, or the context is full
 
 
-class Failure(str, Enum):
+class Failure(StrEnum):
     """Why a sequence ended without finishing, by who is at fault."""
 
     RULED_OUT = "ruled_out"  # the request's own constraints leave no token to choose: a bad request

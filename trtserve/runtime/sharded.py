@@ -24,7 +24,6 @@ from pathlib import Path
 from trtserve.errors import TrtServeError
 from trtserve.runtime.heartbeat import new_heartbeat, silent_for
 
-
 # -- the messages between the driver and its ranks (pickled as they are) --------------------------------------
 
 

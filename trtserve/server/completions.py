@@ -13,10 +13,22 @@ from starlette.responses import StreamingResponse
 
 from trtserve.server.errors import ServingError, Timeout
 from trtserve.server.generation import GenerationService, Job, Submission
-from trtserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                      ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice,
-                                      CompletionLogprobs, CompletionResponse, CompletionUsage, TokenLogprob,
-                                      TopLogprob, ToolCallDelta)
+from trtserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionUsage,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+)
 
 
 async def _merged(submission: Submission, deadline: Deadline):

@@ -140,7 +140,7 @@ class EmbeddingService(Service):
         try:
             results = await asyncio.wait_for(self.batcher.submit_many([rows[i] for i in order]),
                                              self.cfg.request_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Timeout(f"the request took longer than {self.cfg.request_timeout:g} s") from None
         ordered = [None] * len(rows)
         for i, result in zip(order, results):

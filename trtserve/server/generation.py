@@ -14,11 +14,11 @@ from trtserve.runtime.generation_defaults import RANGES, generation_defaults
 from trtserve.runtime.sampling import SamplingParams
 from trtserve.runtime.text import token_ids
 from trtserve.server.chat import ChatRenderer, load_chat_template, template_option
-from trtserve.server.tool_parsers import parser_for
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, Overloaded, ServingError, Unavailable
 from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from trtserve.server.service import Service
+from trtserve.server.tool_parsers import parser_for
 
 log = logging.getLogger("trtserve.server")
 PROBE_TIMEOUT = 30.0

@@ -19,6 +19,7 @@ import time
 
 from trtserve.runtime.base import BackendLost
 from trtserve.runtime.events import Event, Failure, failed, lost
+from trtserve.runtime.sampling import SamplingParams
 from trtserve.server.messages import AddSequences, CancelSequence, NewSequence, StepEvents, StopWorker
 
 log = logging.getLogger("trtserve.server")

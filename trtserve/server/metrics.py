@@ -48,7 +48,7 @@ class Metrics:
         self.latency = Histogram("trtserve_request_seconds", "end-to-end request latency",
                                  ["route"], buckets=fast, registry=self.registry)
 
-    def of(self, model: str) -> "ModelMetrics":
+    def of(self, model: str) -> ModelMetrics:
         """`model`'s series, every one on /metrics from now on (at 0), as unlabelled ones would be."""
         view = ModelMetrics(self, model)
         for name, metric in vars(self).items():

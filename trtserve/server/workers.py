@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from trtserve.runtime.events import Failure
 from trtserve.runtime.heartbeat import new_heartbeat, silent_for, start_beating
 from trtserve.server.errors import ServingError, Unavailable
-from trtserve.server.messages import EmbedFailed, Embedded, EmbedRows, StopWorker, WorkerFailed, WorkerReady
+from trtserve.server.messages import Embedded, EmbedFailed, EmbedRows, StopWorker, WorkerFailed, WorkerReady
 
 log = logging.getLogger("trtserve.server")
 LOAD_TIMEOUT = 300.0
@@ -437,7 +437,7 @@ class WorkerPool:
                 return await call
             try:
                 return await asyncio.wait_for(call, self.deadline)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise Unavailable(f"the in-process worker did not answer within {self.deadline:g} s "
                                   "(--worker-timeout); retry the request") from None
         finally:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from trtserve.errors import ModelSourceError
 
