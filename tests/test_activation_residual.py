@@ -30,9 +30,11 @@ def _gemm_model(codes, scales, level: int, names=("a", "b"), bias=None):
              gemm(names[1], "x", "y1", K, "codes", "scales", ("", "", "bias") if bias is not None else ()),
              gemm("c", "y0", "y2", N, "codes2", "scales2")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", K])],
-                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["b", "s", N]) for y in ("y1", "y2")],
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["b", "s", N])
+                               for y in ("y1", "y2")],
                               inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("com.microsoft", 1)])
 
 
 def _run(model, x):

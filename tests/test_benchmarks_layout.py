@@ -76,7 +76,8 @@ def test_the_shell_scripts_start_from_the_root_and_run_benchmarks_as_modules():
         text = script.read_text()
         for up in re.findall(r'cd "\$\(dirname "\$0"\)/([./]*)"', text):
             assert (script.parent / up).resolve() == ROOT, f"{script.relative_to(ROOT)} changes to {up}, not the root"
-        assert not re.search(r"python3?\"? benchmarks/", text), f"{script.relative_to(ROOT)} runs a benchmark by its path"
+        assert not re.search(r"python3?\"? benchmarks/", text), (
+            f"{script.relative_to(ROOT)} runs a benchmark by its path")
 
 
 def test_a_benchmark_runs_as_a_module_from_the_root():

@@ -172,7 +172,8 @@ def test_entrypoint_first_start_builds_once_and_later_starts_reuse(tmp_path):
         logs = [log.read_text() for _, log in servers]
         assert sum("building the fp32 engine of all-MiniLM-L6-v2" in text for text in logs) == 1, logs
         assert sum("using the engine built earlier for this machine" in text for text in logs) == 1, logs
-        vectors = [httpx.post(f"http://127.0.0.1:{p}/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "A volume shared by two."},
+        vectors = [httpx.post(f"http://127.0.0.1:{p}/v1/embeddings",
+                              json={"model": "all-MiniLM-L6-v2", "input": "A volume shared by two."},
                               timeout=60).json()["data"][0]["embedding"] for p in ports]
         assert vectors[0] == vectors[1]
     finally:

@@ -1,7 +1,8 @@
 """Encoders as their checkpoints describe them, through the real server: the bundled MiniLM's weights with
 its pooling changed to CLS without Normalize (and prompts), a tiny random XLM-RoBERTa with a Dense module,
-and a tiny random Qwen3 used as an embedder (last-token pooling, causal attention), each compared with transformers' token states pooled by the reference (models.pooling.pool); the
-request options (dimensions, base64, prompt_name, truncate, truncate_prompt_tokens) and their refusals."""
+and a tiny random Qwen3 used as an embedder (last-token pooling, causal attention), each compared with
+transformers' token states pooled by the reference (models.pooling.pool); the request options (dimensions,
+base64, prompt_name, truncate, truncate_prompt_tokens) and their refusals."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def tiny_xlmr(minilm_dir, tmp_path_factory):
     rng = np.random.default_rng(0)
     (folder / "2_Dense").mkdir()
     (folder / "2_Dense" / "config.json").write_text(json.dumps(
-        {"in_features": 64, "out_features": 32, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
+        {"in_features": 64, "out_features": 32, "bias": True,
+         "activation_function": "torch.nn.modules.activation.Tanh"}))
     save_file({"linear.weight": rng.normal(0, 0.2, (32, 64)).astype(np.float32),
                "linear.bias": rng.normal(0, 0.2, 32).astype(np.float32)}, str(folder / "2_Dense" / "model.safetensors"))
     _modules(folder, {"pooling_mode_mean_tokens": True}, "Pooling", "Dense", "Normalize")

@@ -158,7 +158,8 @@ def test_resume_runs_only_what_is_missing_and_report_regenerates(quick_run, tmp_
 @pytest.mark.models
 def test_a_policy_the_model_cannot_have_is_recorded_as_skipped_rows(quick_run, tmp_path):
     grid = tmp_path / "grid.toml"  # the quick grid's shape range: its fp32 engine is reused from the cache
-    grid.write_text('models = ["all-MiniLM-L6-v2"]\nbackends = ["torch", "onnxruntime"]\nprecisions = ["fp32", "gguf"]\n'
+    grid.write_text('models = ["all-MiniLM-L6-v2"]\nbackends = ["torch", "onnxruntime"]\n'
+                    'precisions = ["fp32", "gguf"]\n'
                     'batch = [1, 4]\nsequence = [32]\ninputs = ["real"]\nmin_runs = 1\nmin_seconds = 0\n')
     result = run_cli("eval", "--grid", str(grid), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-3000:]

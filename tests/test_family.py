@@ -23,8 +23,8 @@ def test_bert_defaults_kv_heads_to_heads():
 
 
 def test_unsupported_architecture_lists_supported_ones():
-    with pytest.raises(ModelSourceError, match=r"model_type='t5'.*supported model types: bert, gemma2, "
-                                               r"gemma3_text, llama, mistral, phi3, qwen2, qwen3, roberta, xlm-roberta"):
+    with pytest.raises(ModelSourceError, match=r"model_type='t5'.*supported model types: bert, gemma2, gemma3_text, "
+                                               r"llama, mistral, phi3, qwen2, qwen3, roberta, xlm-roberta"):
         detect({"model_type": "t5", "architectures": ["T5Model"]})
 
 

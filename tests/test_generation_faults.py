@@ -97,7 +97,8 @@ def test_a_killed_or_stopped_worker_answers_every_live_stream_and_the_server_rec
         victim, ended = fault_under_streams(url, fault, 8)
         assert ended < deadline + 10, ended  # every client had its answer within the deadline (+ slack)
         recovered = wait_serving(url, victim, 30)
-        print(f"{fault.name} under 8 streams: all answered {ended:.1f} s after it, serving again {recovered:.1f} s later")
+        print(f"{fault.name} under 8 streams: all answered {ended:.1f} s after it, "
+              f"serving again {recovered:.1f} s later")
         health = httpx.get(f"{url}/health").json()["workers"][0]
         assert health["restarts"] == 1
         with pytest.raises(ProcessLookupError):

@@ -396,7 +396,8 @@ def test_sampling_parameters_apply_the_rules_transformers_gives_when_stepped_by_
     short = _stepped(model, chat_ids, 12, stops=eos)
     held = _stepped(model, chat_ids, 12, lambda row, generated: _held(row, generated, eos, 8), eos)
     assert len(short) < 8 <= len(held)
-    got = client.completions.create(model=MODEL, prompt=asked, max_tokens=12, temperature=0, extra_body={"min_tokens": 8})
+    got = client.completions.create(model=MODEL, prompt=asked, max_tokens=12, temperature=0,
+                                    extra_body={"min_tokens": 8})
     assert got.choices[0].text == tokenizer.decode(held) and got.usage.completion_tokens == len(held)
     sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=3,
                                         extra_body={"min_p": 1.0})

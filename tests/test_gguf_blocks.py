@@ -43,7 +43,8 @@ def tiny(tmp_path_factory):
     order = np.random.default_rng(1).permutation(FFN)  # rows reordered, as transformers does to q/k heads
     inits = {"embed": rows["token_embd.weight"], "up": rows["blk.0.ffn_up.weight"][order].T.copy(),
              "gate": rows["blk.0.ffn_gate.weight"].T.copy(),
-             "down": rows["blk.0.ffn_down.weight"].T.copy(), "extra": rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32),
+             "down": rows["blk.0.ffn_down.weight"].T.copy(),
+             "extra": rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32),
              "odd": rng.standard_normal((HIDDEN, 33)).astype(np.float32)}
     nodes = [helper.make_node("Gather", ["embed", "input_ids"], ["h0"], name="embedding"),
              helper.make_node("MatMul", ["h0", "up"], ["h1u"], name="up_proj"),
@@ -106,7 +107,8 @@ def test_graph_carries_the_blocks_and_computes_what_the_fp32_graph_does(tiny, tm
     assert set(report["fp32"]) == {"not_in_gguf", "other_width"}
     types = {i.name: i.data_type for i in model.graph.initializer}
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert sorted(types[n.input[0]] for n in dq) == sorted([TensorProto.INT4, TensorProto.INT4, TensorProto.INT8, TensorProto.INT8])
+    assert sorted(types[n.input[0]] for n in dq) == sorted([TensorProto.INT4, TensorProto.INT4,
+                                                            TensorProto.INT8, TensorProto.INT8])
     assert all(helper.get_attribute_value(next(a for a in n.attribute if a.name == "block_size")) == 32 for n in dq)
     assert not {"embed", "up", "down"} & set(types), "the fp32 copies of carried weights are gone"
     ids = np.random.default_rng(2).integers(0, VOCAB, (2, 5))

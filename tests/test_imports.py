@@ -51,7 +51,8 @@ sys.meta_path.insert(0, Block())
 
 def test_every_module_imports_without_heavy_dependencies():
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(blocked=BLOCKED, torch_by_nature=TORCH_BY_NATURE)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", SCRIPT.format(blocked=BLOCKED, torch_by_nature=TORCH_BY_NATURE)],
+        capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     count, heavy = result.stdout.split(" ", 1)

@@ -44,12 +44,14 @@ def tiny(tmp_path_factory) -> EngineDir:
     transformers.LlamaForCausalLM(config).save_pretrained(root / "checkpoint")
     from tokenizers import Tokenizer, models
 
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")).save(str(root / "checkpoint" / "tokenizer.json"))
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0")).save(
+        str(root / "checkpoint" / "tokenizer.json"))
     source = resolve(str(root / "checkpoint"))
     engine_dir = root / "engine"
     engine_dir.mkdir()
     export_onnx(source, load_torch_model(source), engine_dir / "model.onnx")
-    manifest = {"model": {"id": "tiny", "kind": "decoder", "source": str(source.path), "architecture": vars(source.info)},
+    manifest = {"model": {"id": "tiny", "kind": "decoder", "source": str(source.path),
+                          "architecture": vars(source.info)},
                 "io": _io_from_graph(engine_dir / "model.onnx"), "shapes": _shape_ranges(source, 4, CAPACITY),
                 "onnx": {"file": "model.onnx", "sha256": "-", "opset": 0, "exporter": "-", "fp32_export_cache": "-"}}
     manifest["backend"] = build_ort(engine_dir / "model.onnx", engine_dir)
@@ -94,7 +96,8 @@ def test_a_query_key_value_product_split_three_ways_is_read_whole(tiny, tmp_path
     for layer, group in enumerate(groups):
         joined = np.concatenate([rows for _, rows in group]).T.copy()
         graph.initializer.append(onnx.numpy_helper.from_array(joined, f"qkv{layer}"))
-        graph.initializer.append(onnx.numpy_helper.from_array(np.array([r.shape[0] for _, r in group]), f"sizes{layer}"))
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array([r.shape[0] for _, r in group]),
+                                                              f"sizes{layer}"))
         first = group[0][0]
         at = list(graph.node).index(first)
         graph.node.insert(at, onnx.helper.make_node("Split", [f"joined{layer}", f"sizes{layer}"],
@@ -179,7 +182,8 @@ def test_prompt_logprobs_through_the_slots_equal_the_padded_path(tiny):
     got = first_event(SlotBatcher(backend, {95}, 2, 4096, max_prefill_tokens=4))
     assert got.token == want.token
     assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] == want.prompt_logprobs[0]
-    for (token, logprob, top), (want_token, want_logprob, want_top) in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+    for (token, logprob, top), (want_token, want_logprob, want_top) in zip(got.prompt_logprobs[1:],
+                                                                           want.prompt_logprobs[1:]):
         assert token == want_token and logprob == pytest.approx(want_logprob, abs=1e-4)
         assert [t for t, _ in top] == [t for t, _ in want_top]
 
@@ -221,7 +225,8 @@ def test_prompt_logprobs_are_right_when_fed_behind_others_and_after_a_cancel(tin
     while batcher.has_work():
         got += [e for e in batcher.step() if e.id == "s"]
     assert got[0].token == want[0].token and len(got[0].prompt_logprobs) == len(prompt)
-    for (token, logprob, _), (want_token, want_logprob, _) in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
+    for (token, logprob, _), (want_token, want_logprob, _) in zip(got[0].prompt_logprobs[1:],
+                                                                  want[0].prompt_logprobs[1:]):
         assert token == want_token and logprob == pytest.approx(want_logprob, abs=1e-4)
 
 
@@ -238,7 +243,8 @@ def test_a_row_too_close_to_the_end_of_its_cache_is_fed_alone(tiny):
 
 
 def test_engines_without_a_decode_graph_keep_the_padded_batcher(tiny):
-    backend = tiny.manifest.backend.model_copy(update={"kv_graph": KvGraph(file=None, why_not="built before the decode graph")})
+    backend = tiny.manifest.backend.model_copy(
+        update={"kv_graph": KvGraph(file=None, why_not="built before the decode graph")})
     without = EngineDir(tiny.path, tiny.manifest.model_copy(update={"backend": backend}))
     batcher = make_batcher(OrtBackend(without, threads=1), {95}, 2)
     assert type(batcher) is ContinuousBatcher

@@ -50,6 +50,7 @@ def test_names_that_differ_from_the_models_leave_loading_to_from_pretrained(tmp_
 
     path = _checkpoint(tmp_path, tied=False)
     weights = load_file(path / "model.safetensors")
-    weights["model.extra.scale"] = torch.ones(4, dtype=torch.bfloat16)  # a key the model lacks, which from_pretrained drops
+    # a key the model lacks, which from_pretrained drops
+    weights["model.extra.scale"] = torch.ones(4, dtype=torch.bfloat16)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     assert _streamed(transformers.AutoModelForCausalLM, _source(path), "eager") is None

@@ -21,7 +21,8 @@ def _graph(path, seed: int = 0):
     weight = np.random.default_rng(seed).standard_normal((WIDTH, 64), dtype=np.float32)
     nodes = [helper.make_node("Gather", ["table", "input_ids"], ["hidden"]),
              helper.make_node("MatMul", ["hidden", "weight"], ["out"])]
-    graph = helper.make_graph(nodes, "table", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+    graph = helper.make_graph(nodes, "table",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "sequence", 64])],
                               [numpy_helper.from_array(table, "table"), numpy_helper.from_array(weight, "weight")])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), str(path))
@@ -93,4 +94,5 @@ def test_a_graph_without_large_weights_keeps_them_inline_and_shares_nothing(tmp_
         assert map_weights(tmp_path / name) is None
     assert share_weights(tmp_path / "model.ort.onnx", tmp_path / "model.kv.onnx") == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.kv.onnx", "model.ort.onnx"]
-    assert ort.InferenceSession(str(tmp_path / "model.kv.onnx")).run(None, {"x": np.zeros(4, np.float32)})[0].tolist() == [1] * 4
+    assert (ort.InferenceSession(str(tmp_path / "model.kv.onnx")).run(None, {"x": np.zeros(4, np.float32)})[0].tolist()
+            == [1] * 4)

@@ -96,7 +96,8 @@ def test_the_engine_records_what_openvino_computed_and_auto_serves_it(tiny_bert)
     tried = {t["precision"]: t for t in part.tried}
     assert tried["f32"]["passed"] and set(tried["f32"]["ms"]) == {"batch 1 x 64", "batch 8 x 64"}
     assert "bf16" not in tried  # an fp32 engine's parity target is below bf16's rounding: not tried, and said so
-    assert "bf16: not tried under a max abs error bound" in part.chosen_because or "bf16: not native" in part.chosen_because
+    assert ("bf16: not tried under a max abs error bound" in part.chosen_because
+            or "bf16: not native" in part.chosen_because)
     assert engine.manifest.fidelity.openvino["passed"] and "openvino" in engine.manifest.fidelity.runs()
     assert runtime_for(engine)[0] == "openvino" and "openvino:" in log
     info = run_cli("info", str(engine_path)).stdout

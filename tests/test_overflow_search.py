@@ -74,7 +74,8 @@ def test_gemms_join_the_candidates_when_every_other_unit_fp32_still_misses():
     assert [u.peak for u in gemms] == sorted((u.peak for u in gemms), reverse=True)
     policy, log, k = auto_policy(model, units + gemms, passes, start=len(units))
     assert needs in policy.fp32_nodes and len(units) < k <= len(units) + len(gemms)
-    assert log[0] == {"units_fp32": len(units) + len(gemms), "nodes_fp32": len(policy_of(units + gemms)), "passed": True}
+    assert log[0] == {"units_fp32": len(units) + len(gemms), "nodes_fp32": len(policy_of(units + gemms)),
+                      "passed": True}
 
 
 def policy_of(units):

@@ -7,7 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "trtserve"
-SHARED = {"errors", "fileio", "graph_files", "graph_index", "memory", "progress", "settings", "engine_dir", "data"}  # what every package may import
+# what every package may import
+SHARED = {"errors", "fileio", "graph_files", "graph_index", "memory", "progress", "settings", "engine_dir", "data"}
 ALLOWED = {  # package -> the packages (beyond SHARED) it may import
     "models": set(),
     "runtime": {"models"},

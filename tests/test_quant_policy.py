@@ -56,7 +56,8 @@ def graph_of(model: TinyDecoder) -> onnx.ModelProto:
              helper.make_node("Add", ["h0", "ds"], ["h1"], name="residual"),
              helper.make_node("Transpose", ["embed"], ["embed_t"], name="tie", perm=[1, 0]),
              helper.make_node("MatMul", ["h1", "embed_t"], ["logits"], name="lm_head")]
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "S"])],
+    graph = helper.make_graph(nodes, "tiny",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "S"])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "S", VOCAB])],
                               [numpy_helper.from_array(v, k) for k, v in inits.items()])
     return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]))
@@ -118,7 +119,8 @@ def test_loose_target_quantizes_everything_and_the_graph_computes_what_torch_doe
     with torch.no_grad():
         deq = {name: torch.from_numpy(quantize_rows(w.detach().numpy(), fmt).dequantized())
                for name, w, fmt in (("embed", torch_model.embed.weight, "int8"), ("up", torch_model.up.weight, "int4"),
-                                    ("down", torch_model.down.weight, "int4"), ("head", torch_model.head.weight, "int8"))}
+                                    ("down", torch_model.down.weight, "int4"),
+                                    ("head", torch_model.head.weight, "int8"))}
         ref = TinyDecoder().eval()
         for name, value in deq.items():
             getattr(ref, name).weight = torch.nn.Parameter(value)
@@ -150,7 +152,8 @@ def test_a_widened_choice_moves_the_next_most_sensitive_weights_one_step_and_say
     torch_model = TinyDecoder().eval()
     fp32 = graph_of(torch_model)
     weights, eight_bit = candidates(fp32)
-    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
+    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9),
+                    _rows())
     low = dict(choice.formats)  # kept 0: every weight in its starting format
     ranked = sorted(choice.sensitivity, key=choice.sensitivity.get, reverse=True)
     for kept in (1, 2, 4):
@@ -181,7 +184,8 @@ def test_eight_bit_gemms_outside_the_activation_plan_keep_fp32_weights():
     torch_model = TinyDecoder().eval()
     fp32 = graph_of(torch_model)
     weights, eight_bit = candidates(fp32)
-    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
+    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9),
+                    _rows())
     _, report = apply_quantized(_copy(fp32), choice, int8_activations=frozenset({"up_proj"}))
     assert report["fp32"]["lm_head"]["reason"] == KEPT
     assert report["gemms"]["down_proj"]["format"] == "int4"  # 4-bit weights are fast on fp32 activations too
@@ -192,7 +196,8 @@ def test_tensorrt_rtx_parses_the_quantized_graph():
     torch_model = TinyDecoder().eval()
     fp32 = graph_of(torch_model)
     weights, eight_bit = candidates(fp32)
-    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
+    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9),
+                    _rows())
     model, _ = apply_quantized(_copy(fp32), choice)
     logger = trt.Logger(trt.Logger.ERROR)
     network = trt.Builder(logger).create_network(0)
@@ -251,7 +256,8 @@ def test_a_graph_without_its_weights_is_quantized_from_its_file_as_the_graph_in_
     weights, eight_bit = candidates(structure, tmp_path)
     assert (weights, eight_bit) == candidates(fp32)
     assert set(weights.values()) == {(VOCAB, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)}
-    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9), _rows())
+    choice = choose(torch_model, "decoder", weights, eight_bit, "int4", Target(min_top1=0.0, max_ppl_delta=1e9),
+                    _rows())
     in_memory, report = apply_quantized(_copy(fp32), choice)
     streamed, streamed_report = apply_quantized(structure, choice, base=tmp_path)
     assert streamed_report == report

@@ -40,7 +40,8 @@ def test_minilm_int8_meets_the_encoder_target_with_every_weight_measured(minilm_
     assert fidelity["passed"] and fidelity["target"]["min_token_cosine"] == 0.999
     assert fidelity["target"]["min_neighbours"] == 0.95 and fidelity["target"]["max_flips"] == 1
     sentences = fidelity["onnxruntime"]["sentences"]  # checked by the gate: 200 labelled real sentences
-    assert sentences["data"].startswith("200 ") and sentences["neighbours"] >= 0.95 and sentences["sentiment_flips"] <= 1
+    assert (sentences["data"].startswith("200 ") and sentences["neighbours"] >= 0.95
+            and sentences["sentiment_flips"] <= 1)
     gemms, fp32 = graph["gemms"], graph["fp32"]
     assert len(gemms) + len([k for k in fp32 if k not in graph["embeddings"]]) == 36  # 6 layers x (q, k, v, o, 2 FFN)
     assert {v["format"] for v in gemms.values()} == {"int8"}

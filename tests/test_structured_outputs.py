@@ -2,7 +2,7 @@
 constrained by llguidance inside the continuous batcher, so the answer parses and validates by
 construction."""
 
-from enum import Enum
+from enum import StrEnum
 
 import httpx
 import pytest
@@ -16,7 +16,7 @@ MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "Describe Paris as JSON."}]
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     red = "red"
     green = "green"
     blue = "blue"

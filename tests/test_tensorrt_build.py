@@ -97,7 +97,8 @@ def test_unsupported_rtx_target_is_refused_before_the_export(tmp_path):
 def test_backend_tensorrt_without_tensorrt_is_one_clear_error(tmp_path):
     blocker = tmp_path / "site"
     blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text("import sys\nfor n in ('tensorrt', 'tensorrt_rtx'): sys.modules[n] = None\n")
+    (blocker / "sitecustomize.py").write_text("import sys\n"
+                                              "for n in ('tensorrt', 'tensorrt_rtx'): sys.modules[n] = None\n")
     env = {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}"}
     result = run_cli("build-engine", "all-MiniLM-L6-v2", "--backend", "tensorrt", "--out", str(tmp_path / "x"),
                      env=env)

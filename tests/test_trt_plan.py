@@ -23,7 +23,8 @@ DECODER = {
     "io": {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
                       {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "total_sequence"]},
                       {"name": "logit_positions", "dtype": "int64", "shape": ["logit_positions"]},
-                      {"name": "past_key_values.0.key", "dtype": "float32", "shape": ["batch", 3, "past_sequence", 64]}],
+                      {"name": "past_key_values.0.key", "dtype": "float32",
+                       "shape": ["batch", 3, "past_sequence", 64]}],
            "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "logit_positions", 49152]},
                        {"name": "present.0.key", "dtype": "float32", "shape": ["batch", 3, "total_sequence", 64]}]},
 }

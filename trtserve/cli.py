@@ -1,4 +1,5 @@
-"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, eval, train-pt, healthcheck, doctor. Every flag maps to one config field."""
+"""`trtserve` command line: build-engine, info, fidelity, probe, serve, run, eval, train-pt, healthcheck, doctor.
+Every flag maps to one config field."""
 
 from __future__ import annotations
 

@@ -24,5 +24,5 @@ def timed(fn, seconds: float, min_runs: int = 5, warmup: int = 3) -> float:
 
 
 def rss_mb(pid: int) -> float:
-    line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmRSS"))
+    line = next(row for row in Path(f"/proc/{pid}/status").read_text().splitlines() if row.startswith("VmRSS"))
     return int(line.split()[1]) / 1024

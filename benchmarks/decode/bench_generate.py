@@ -125,7 +125,8 @@ def main() -> None:
         rows = {n: load(url, n, args.requests, args.tokens) for n in (1, 4, 16)}
     finally:
         stop_server(proc)
-    print(f"{'concurrent streams':<20} {'output tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+    print(f"{'concurrent streams':<20} {'output tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9}")
     for n, r in rows.items():
         print(f"{n:<20} {r['tokens_per_s']:>12.1f} {r['ttft_p50']:>9.1f} {r['ttft_p99']:>9.1f} "
               f"{r['tpot_p50']:>9.1f} {r['tpot_p99']:>9.1f}")

@@ -4,7 +4,8 @@ Megatron-style), on 2 and 4 CPU worker processes joined by torch.distributed (gl
 all-reduces each forward makes. The single-process torch reference of each model is the baseline.
 Both layouts run the same torch code; `--engines` adds the PT model's ONNX Runtime track engines.
 
-    .venv/bin/python -m benchmarks.decode.bench_tracks [--recipe small] [--prompt 128] [--new 32] [--repeats 3] [--engines]
+    .venv/bin/python -m benchmarks.decode.bench_tracks [--recipe small] [--prompt 128] [--new 32] \\
+        [--repeats 3] [--engines]
 """
 
 from __future__ import annotations

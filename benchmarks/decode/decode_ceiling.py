@@ -9,7 +9,8 @@ ceiling is "as if every GEMM of the step were memory-bound like that one". Round
 engine's decode step at `--past` (random ids, medians). On a shared VM the read rate moves from day to day:
 compare within one run.
 
-    .venv/bin/python -m benchmarks.decode.decode_ceiling --engine engines/smollm2 --engine engines/smollm2-int4 [--past 128]
+    .venv/bin/python -m benchmarks.decode.decode_ceiling --engine engines/smollm2 \\
+        --engine engines/smollm2-int4 [--past 128]
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def main() -> None:
     for path, (engine, _, (weights, kv)) in engines.items():
         step = statistics.median(steps[path])
         print(f"| {Path(path).name} ({engine.manifest.precision.policy}) | {weights / 1e6:.1f} MB | "
-              f"{kv / 1e6:.1f} MB | {rate / (weights + kv):.0f} | {1 / step:.1f} | {(weights + kv) / rate / step:.0%} | "
+              f"{kv / 1e6:.1f} MB | {rate / (weights + kv):.0f} | {1 / step:.1f} | "
+              f"{(weights + kv) / rate / step:.0%} | "
               f"{(weights + kv) / step / 1e9:.1f} GB/s |")
 
 

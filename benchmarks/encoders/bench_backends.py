@@ -32,7 +32,8 @@ def ensure_engine(name: str, out: Path) -> Path:
 def real_tokens(tokenizer, rows: int, length: int) -> np.ndarray:
     from trtserve.data.corpus import wiki_text
 
-    out = [tokenizer(wiki_text(2 * length, 10 * i), add_special_tokens=False)["input_ids"][:length] for i in range(rows)]
+    out = [tokenizer(wiki_text(2 * length, 10 * i), add_special_tokens=False)["input_ids"][:length]
+           for i in range(rows)]
     return np.array(out, dtype=np.int64)
 
 
@@ -52,13 +53,13 @@ def bench_minilm(engine_dir: Path, seconds: float) -> list[tuple]:
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
         tensors = {k: torch.from_numpy(v) for k, v in feeds.items()}
 
-        def baseline():
+        def baseline(tensors=tensors):
             with torch.inference_mode():
                 hidden = model(**tensors).last_hidden_state
                 return hidden.mean(1)
 
         rows.append((f"MiniLM embed batch {batch}, seq 128", timed(baseline, seconds),
-                     timed(lambda: ours.infer(feeds), seconds)))
+                     timed(lambda feeds=feeds: ours.infer(feeds), seconds)))
     return rows
 
 

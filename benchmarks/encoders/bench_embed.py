@@ -103,7 +103,8 @@ def sentence_cosines(runners: dict, engine: Path) -> dict:
         out[name] = np.concatenate(rows).astype(np.float64)
     base = next(iter(out.values()))
     unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
-    return {name: ((unit(x) * unit(base)).sum(1).mean(), (unit(x) * unit(base)).sum(1).min()) for name, x in out.items()}
+    return {name: ((unit(x) * unit(base)).sum(1).mean(), (unit(x) * unit(base)).sum(1).min())
+            for name, x in out.items()}
 
 
 def main() -> None:

@@ -47,7 +47,8 @@ def embed(path: Path, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     names = {i.name for i in s.get_inputs()}
     out = []
     for a in range(0, len(ids), 32):
-        feeds = {"input_ids": ids[a:a + 32], "attention_mask": mask[a:a + 32], "token_type_ids": np.zeros_like(ids[a:a + 32])}
+        feeds = {"input_ids": ids[a:a + 32], "attention_mask": mask[a:a + 32],
+                 "token_type_ids": np.zeros_like(ids[a:a + 32])}
         out.append(s.run(["sentence_embedding"], {k: v for k, v in feeds.items() if k in names})[0])
     e = np.concatenate(out)
     return e / np.linalg.norm(e, axis=1, keepdims=True)
@@ -174,7 +175,8 @@ def main() -> None:
           f"{target['worst']}, neighbours >= {target['neighbours']:.0%}\n")
     print("| int8 arithmetic, alone | mean cosine | worst | top-10 neighbours | meets |\n|---|---|---|---|---|")
     for label, r in rows:
-        print(f"| {label} | {r['mean']:.6f} | {r['worst']:.6f} | {r['neighbours']:.1%} | {'yes' if r['meets'] else 'no'} |")
+        print(f"| {label} | {r['mean']:.6f} | {r['worst']:.6f} | {r['neighbours']:.1%} | "
+              f"{'yes' if r['meets'] else 'no'} |")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def main() -> None:
         for model, policy, run, length, cos, worst, bad, top1, ppl in rows(engine):
             top1_text = "" if top1 is None else f"{top1:.2%}"
             ppl_text = "" if ppl is None else f"{ppl:.2e}"
-            print(f"| {model} | {policy} | {run} | {length} | {cos:.6f} | {worst:.6f} | {bad} | {top1_text} | {ppl_text} |")
+            print(f"| {model} | {policy} | {run} | {length} | {cos:.6f} | {worst:.6f} | {bad} | "
+                  f"{top1_text} | {ppl_text} |")
 
 
 if __name__ == "__main__":

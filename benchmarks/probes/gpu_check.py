@@ -35,7 +35,8 @@ def batch(tokenizer, rows: int, length: int, device):
 
     from trtserve.data.corpus import wiki_text
 
-    ids = [tokenizer(wiki_text(2 * length, 10 * i), add_special_tokens=False)["input_ids"][:length] for i in range(rows)]
+    ids = [tokenizer(wiki_text(2 * length, 10 * i), add_special_tokens=False)["input_ids"][:length]
+           for i in range(rows)]
     ids = torch.tensor(ids, device=device)
     return ids, torch.ones_like(ids)
 
@@ -75,7 +76,7 @@ def run_model(name: str, args, device) -> list[dict]:
     for length in args.lengths:
         ids, mask = batch(tokenizer, args.batch, length, device)
 
-        def output(model, autocast=False):
+        def output(model, autocast=False, ids=ids, mask=mask):
             with torch.inference_mode(), torch.autocast(device.type, dtype=low, enabled=autocast):
                 result = model(input_ids=ids, attention_mask=mask)
             return result.logits if hasattr(result, "logits") else result.last_hidden_state

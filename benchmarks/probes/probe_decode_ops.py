@@ -1,5 +1,5 @@
-"""Where a decode step of an engine's decode graph spends its time (batch 1 unless `--rows`): kernel time per op type from
-ONNX Runtime's profiler (a separate run: the profiler itself slows small nodes), then, for a graph with
+"""Where a decode step of an engine's decode graph spends its time (batch 1 unless `--rows`): kernel time per op type
+from ONNX Runtime's profiler (a separate run: the profiler itself slows small nodes), then, for a graph with
 block minima (int4 from fp32 checkpoints, gguf's Q4_1), the step timed against a copy with the minimum's
 exact share removed (block sums, the small GEMM and its Add; that copy's output is wrong: timing only).
 The two graphs take turns; medians of `--steps` steps per round over `--rounds` rounds, random ids.
@@ -142,7 +142,8 @@ def main() -> None:
         copy = Path(tmp) / graph.name
         if not without_minimum(graph, copy):
             return print("no block minima in this graph: nothing to compare")
-        sessions = {"as built": session(graph, args.threads), "without the minimum (wrong output)": session(copy, args.threads)}
+        sessions = {"as built": session(graph, args.threads),
+                    "without the minimum (wrong output)": session(copy, args.threads)}
         steps = {name: [] for name in sessions}
         for r in range(args.rounds):
             for name, s in sessions.items():

@@ -23,7 +23,8 @@ def _model(nodes, inits, k: int):
 
     graph = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("com.microsoft", 1)])
 
 
 def models(k: int, n: int, rng) -> dict:
@@ -77,7 +78,8 @@ def main() -> None:
     for rows in args.rows:
         x = rng.standard_normal((rows, args.k)).astype(np.float32)
         x2 = rng.standard_normal((2 * rows, args.k)).astype(np.float32)
-        cells = [timed(s, x, args.runs) for s in sessions.values()] + [timed(sessions[n], x2, args.runs) for n in doubled]
+        cells = ([timed(s, x, args.runs) for s in sessions.values()]
+                 + [timed(sessions[n], x2, args.runs) for n in doubled])
         print(f"| {rows} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     flops = 2 * args.k * args.n * max(args.rows)
     fp32 = timed(sessions["fp32 MatMul"], rng.standard_normal((max(args.rows), args.k)).astype(np.float32), args.runs)

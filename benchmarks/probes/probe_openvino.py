@@ -22,7 +22,8 @@ import numpy as np
 # and compute in bf16 where the CPU has it: each variant says what it changes.
 VARIANTS = {
     "f32, no dynamic quantization": {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0},
-    "f32, dynamic quantization in groups of 32": {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 32},
+    "f32, dynamic quantization in groups of 32": {"INFERENCE_PRECISION_HINT": "f32",
+                                                  "DYNAMIC_QUANTIZATION_GROUP_SIZE": 32},
     "bf16, no dynamic quantization": {"INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0},
 }
 
@@ -55,9 +56,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     core = ov.Core()
-    print(f"OpenVINO {ov.__version__}, ONNX Runtime {ort.__version__}; batch {args.batch}, past {args.past}, {args.threads} "
-          f"threads, median of {args.rounds} rounds x {args.steps} steps; CPU {core.get_property('CPU', 'FULL_DEVICE_NAME')}")
-    print("| engine | runtime | ms/step | vs ONNX Runtime | logits: max difference / largest | next-token top-1 vs ONNX Runtime |")
+    print(f"OpenVINO {ov.__version__}, ONNX Runtime {ort.__version__}; batch {args.batch}, past {args.past}, "
+          f"{args.threads} threads, median of {args.rounds} rounds x {args.steps} steps; "
+          f"CPU {core.get_property('CPU', 'FULL_DEVICE_NAME')}")
+    print("| engine | runtime | ms/step | vs ONNX Runtime | logits: max difference / largest "
+          "| next-token top-1 vs ONNX Runtime |")
     print("|---|---|---:|---:|---:|---:|")
     for path in args.engine:
         engine = open_engine_dir(path)
@@ -69,7 +72,8 @@ def main() -> None:
         names = [i.name for i in session.get_inputs()]
         step = feeds(names, np.arange(1234, 1234 + args.batch, dtype=np.int64)[:, None], args.past,
                      (arch.num_kv_heads, arch.head_dim))
-        prompt = feeds(names, np.random.default_rng(2).integers(1000, 40000, (1, 64)), 0, (arch.num_kv_heads, arch.head_dim))
+        prompt = feeds(names, np.random.default_rng(2).integers(1000, 40000, (1, 64)), 0,
+                       (arch.num_kv_heads, arch.head_dim))
         prompt["logit_positions"] = np.arange(64, dtype=np.int64)
         runs = {"onnxruntime": lambda f, s=session: s.run(["logits"], f)[0]}
         model = core.read_model(str(engine.file(engine.manifest.onnx.file)))

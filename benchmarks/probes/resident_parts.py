@@ -51,7 +51,8 @@ if not prepack:
     options.add_session_config_entry("session.disable_prepacking", "1")
 if graph == "-":
     node = helper.make_node("Relu", ["x"], ["y"])
-    model = helper.make_model(helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+    model = helper.make_model(helper.make_graph([node], "g",
+                                                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
                                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])]))
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 else:

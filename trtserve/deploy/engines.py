@@ -6,8 +6,8 @@ version that built it: `<model>-<content hash>-<precision>-onnxruntime-b<builder
 (`...-onnxruntime-openvino<version>-cpu<hash>-...` where OpenVINO is installed, which an encoder's build measures
 on this CPU; `...-openvino<version>-cpu<hash>-...` with --backend openvino),
 `<model>-<content hash>-<precision>-<flavour><version>-<gpu>-sm<cc>-b<builder>` on a GPU, where
-`<builder>` is a digest of the builder's sources (fileio.build_code_digest). Several processes starting at once on one volume (replicas,
-containers) take a lock so that one builds and the others reuse its result.
+`<builder>` is a digest of the builder's sources (fileio.build_code_digest). Several processes starting at once on
+one volume (replicas, containers) take a lock so that one builds and the others reuse its result.
 """
 
 from __future__ import annotations

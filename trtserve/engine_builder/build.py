@@ -187,7 +187,8 @@ def _export_step(d: _Draft) -> dict:
         part.update(pooling=source.pooling.to_json(source.info.hidden_size))
     if d.grid:  # the gate's cases from it are labelled "<label> <input> b<batch> seq<length>"
         part.update(confirm_grid={"grid": d.cfg.confirm_grid, "label": d.grid[0][0], "shapes": len(d.grid)})
-    _copy_tokenizer_files(source, d.tmp)  # before any measurement: --confirm-grid's real-text rows are tokenized from it
+    # before any measurement: --confirm-grid's real-text rows are tokenized from it
+    _copy_tokenizer_files(source, d.tmp)
     return part
 
 

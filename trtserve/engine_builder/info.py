@@ -12,7 +12,8 @@ def _mb(size: int) -> str:
 def _files(m) -> str:
     """The engine's size on disk, then each file's (weights as external data included)."""
     total = sum(entry.size for entry in m.files.values())
-    return f"files       {_mb(total)} on disk: " + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items())
+    return (f"files       {_mb(total)} on disk: "
+            + ", ".join(f"{name} {_mb(entry.size)}" for name, entry in m.files.items()))
 
 
 def describe_manifest(engine: EngineDir) -> str:
@@ -116,7 +117,8 @@ def _track_formats(precision) -> str:
     counts = ", ".join(f"{n} {fmt}" for fmt, n in precision.formats.items())
     missed = len(precision.int8_activations_missed or [])
     return (f": weights {counts} (the {precision.kept_safer} most sensitive kept safer); int8 activations in "
-            f"{precision.int8_activations}" + (f" ({missed} earlier tr{'y' if missed == 1 else 'ies'} missed the target)" if missed else ""))
+            f"{precision.int8_activations}"
+            + (f" ({missed} earlier tr{'y' if missed == 1 else 'ies'} missed the target)" if missed else ""))
 
 
 def _io(spec) -> str:
@@ -141,7 +143,8 @@ def _pooling(pooling, kind: str, labels: int | None = None) -> list[str]:
         return ["pooling     mean, normalized after the graph (an engine built before pooling was in the graph)"]
     dense = "".join(f" -> dense {d.in_features}->{d.out_features} {d.activation}" for d in pooling.dense)
     prompts = f"; prompts {', '.join(sorted(pooling.prompts))}" if pooling.prompts else ""
-    return [f"pooling     {' + '.join(pooling.modes)}{dense}{', normalized' if pooling.normalize else ', not normalized'}"
+    return [f"pooling     {' + '.join(pooling.modes)}{dense}"
+            f"{', normalized' if pooling.normalize else ', not normalized'}"
             f" -> {pooling.dimensions} dims ({pooling.source}){prompts}"]
 
 
@@ -194,7 +197,8 @@ def _tensorrt(entry) -> list[str]:
     check = entry.layer_precision  # a record of engine_builder.tensorrt.check_precision
     by_type = check["float_outputs_by_layer_type"]
     kinds = ("MATRIX_MULTIPLY", "SOFTMAX", "NORMALIZATION", "REDUCE")
-    types = ", ".join(f"{k.lower()} {'/'.join(f'{n} {t}' for t, n in by_type[k].items())}" for k in kinds if k in by_type)
+    types = ", ".join(f"{k.lower()} {'/'.join(f'{n} {t}' for t, n in by_type[k].items())}"
+                      for k in kinds if k in by_type)
     kernels = entry.kernels or {"count": "?", "output_dtypes_by_kernel_type": {}}
     return [f"tensorrt    {entry.plan} ({entry.flavour} {entry.version}, {entry.compute_capability}, "
             f"profiles {', '.join(p.name for p in entry.profiles)})",

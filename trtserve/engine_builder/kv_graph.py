@@ -210,7 +210,8 @@ def _soft_cap(g: _Graph, scores: str, what: str) -> tuple[str, float]:
     tanh = _only_reader(g, div.output[0], "Tanh")
     mul = _only_reader(g, tanh.output[0], "Mul")
     again = g.const(next((t for t in mul.input if t != tanh.output[0]), ""))
-    if cap is None or again is None or cap.size != 1 or again.size != 1 or float(cap.ravel()[0]) != float(again.ravel()[0]):
+    if (cap is None or again is None or cap.size != 1 or again.size != 1
+            or float(cap.ravel()[0]) != float(again.ravel()[0])):
         raise NotLowered(f"{what}: the scores go through a tanh that is not a soft cap tanh(s / c) * c")
     return mul.output[0], float(cap.ravel()[0])
 
@@ -416,8 +417,9 @@ def build_kv(tmp: Path, manifest) -> dict:
                                          f"at {', '.join(check['lowerings_differ'][:3])}"}
     if check["max_relative_difference"] > CHECK_TOLERANCE:
         _remove_graph(out)
-        return {"file": None, "why_not": f"logits differ from the optimized graph by {check['max_relative_difference']:.2e} "
-                                         f"of the largest (allowed {CHECK_TOLERANCE:g})", "check": check}
+        return {"file": None,
+                "why_not": f"logits differ from the optimized graph by {check['max_relative_difference']:.2e} "
+                           f"of the largest (allowed {CHECK_TOLERANCE:g})", "check": check}
     return {"file": KV_GRAPH, "capacity": capacity, "check": check}
 
 

@@ -226,7 +226,8 @@ def _table_dequantize(dq, inits: dict, users: list) -> bool:
     table, scale = inits.get(dq.input[0]), inits.get(dq.input[1])
     return (table is not None and scale is not None and len(dq.input) == 2 and table.data_type == TensorProto.INT8
             and len(table.dims) == 2 and _attrs(dq).get("axis") == 1 and bool(users)
-            and all(u.op_type == "Gather" and _attrs(u).get("axis", 0) == 0 and u.input[0] == dq.output[0] for u in users))
+            and all(u.op_type == "Gather" and _attrs(u).get("axis", 0) == 0 and u.input[0] == dq.output[0]
+                    for u in users))
 
 
 def _gather_block_quantized(model) -> None:

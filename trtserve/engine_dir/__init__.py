@@ -71,7 +71,9 @@ def seal(directory: Path, manifest: Manifest | dict) -> EngineDir:
 def read_manifest(path: Path) -> Manifest:
     manifest_path = path / MANIFEST
     if not path.is_dir():
-        raise EngineDirError(f"{path} is not an engine directory: build one with `trtserve build-engine MODEL --out {path}`")
+        raise EngineDirError(
+            f"{path} is not an engine directory: build one with `trtserve build-engine MODEL --out {path}`"
+        )
     if not manifest_path.is_file():
         raise EngineDirError(
             f"{path} has no {MANIFEST}: it is not a complete engine; rebuild it with "

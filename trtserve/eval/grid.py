@@ -112,5 +112,6 @@ def load_grid(path: Path | None = None, preset: str | None = None) -> Grid:
     limits = data.pop("token_limits", {})
     if not isinstance(limits, dict) or any(not isinstance(v, int) or v < 1 for v in limits.values()):
         raise TrtServeError(f"{path}: token_limits maps a model to the largest batch x sequence to run")
-    return Grid(name=Path(path).stem, source=preset or str(Path(path).absolute()), token_limits=tuple(sorted(limits.items())),
+    return Grid(name=Path(path).stem, source=preset or str(Path(path).absolute()),
+                token_limits=tuple(sorted(limits.items())),
                 **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

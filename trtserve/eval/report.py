@@ -138,8 +138,9 @@ def _engine_lines(built: dict) -> list[str]:
              "tokens, measured by the build (`trtserve info`); the Memory table's figures are taken inside this "
              "long-running process. Grid shapes: how many of the gate's shapes were this evaluation's own (its "
              "builds hold each engine to every shape the grid runs for the model, with the same token ids).", "",
-             "| model / policy | run | passed | grid shapes | worst-token cos, real | worst-token cos, random | top-1 | "
-             "ppl delta | sentence cos, mean | top-10 neighbours | sentiment flips | resident |", "|---" * 12 + "|"]
+             "| model / policy | run | passed | grid shapes | worst-token cos, real | worst-token cos, random "
+             "| top-1 | ppl delta | sentence cos, mean | top-10 neighbours | sentiment flips | resident |",
+             "|---" * 12 + "|"]
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
     for key, entry in built.items():
         for run, w in entry["runs"].items():
@@ -256,7 +257,8 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
             fig, ax = plt.subplots(figsize=(6, 4))
             image = ax.imshow(grid, cmap="viridis", aspect="auto")
             ax.set(xticks=range(len(seqs)), xticklabels=seqs, yticks=range(len(batches)), yticklabels=batches,
-                   xlabel="sequence length", ylabel="batch", title=f"{model}: onnxruntime {policy} speedup vs torch fp32")
+                   xlabel="sequence length", ylabel="batch",
+                   title=f"{model}: onnxruntime {policy} speedup vs torch fp32")
             for i, row in enumerate(grid):
                 for j, value in enumerate(row):
                     ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w", fontsize=7)
@@ -267,7 +269,8 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
         for (b, p), g in _groups([r for r in group if "fidelity" in r and r["backend"] != "torch"],
                                  "backend", "precision").items():
             by_len = _groups(g, "sequence")
-            ax.plot([s for (s,) in by_len], [min(r["fidelity"]["worst_row_cosine"] for r in v) for v in by_len.values()],
+            ax.plot([s for (s,) in by_len],
+                    [min(r["fidelity"]["worst_row_cosine"] for r in v) for v in by_len.values()],
                     marker="o", label=f"{b} {p}")
         ax.set(xlabel="sequence length", ylabel="min worst-token cosine", title=f"{model}: fidelity vs torch fp32",
                xscale="log")
@@ -276,7 +279,8 @@ def _plots(rows: list[dict], out: Path) -> list[Path]:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         labels, rss, size = [], [], []
-        for (b, p), g in _groups([r for r in group if r["backend"] != "fp16-emulation"], "backend", "precision").items():
+        for (b, p), g in _groups([r for r in group if r["backend"] != "fp16-emulation"],
+                                 "backend", "precision").items():
             labels.append(f"{b}\n{p}")
             rss.append(_median(((r.get("backend_load_bytes") or 0) + (r.get("working_bytes") or 0)) / 1e6 for r in g))
             size.append(g[0]["engine_bytes"] / 1e6)

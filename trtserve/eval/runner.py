@@ -318,7 +318,8 @@ def _latency(samples: list[float], config: Config) -> dict:
     p50 = float(np.percentile(ms, 50))
     return {"latency_ms": {"p50": p50, "p95": float(np.percentile(ms, 95)), "p99": float(np.percentile(ms, 99)),
                            "mean": float(ms.mean())},
-            "sequences_per_s": config.batch / (p50 / 1000), "tokens_per_s": config.batch * config.sequence / (p50 / 1000)}
+            "sequences_per_s": config.batch / (p50 / 1000),
+            "tokens_per_s": config.batch * config.sequence / (p50 / 1000)}
 
 
 def _fidelity(reference: np.ndarray, output: np.ndarray, kind: str) -> dict:

@@ -54,7 +54,8 @@ def detect(config: dict) -> ModelInfo:
     family = BY_MODEL_TYPE[model_type]
     family.check(config)
     kind, labels = family.kind, None
-    if kind == "encoder" and any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+    if kind == "encoder" and any(str(a).endswith("ForSequenceClassification")
+                                 for a in config.get("architectures") or ()):
         kind = "scorer"  # a cross-encoder: a pair in, its classification head's logits out
         labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
     heads = int(config["num_attention_heads"])

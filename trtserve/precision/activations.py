@@ -49,7 +49,8 @@ def normalized_gemms(model) -> frozenset:
     from trtserve.precision.passes import find_patterns
 
     norm_nodes = {n for chain in find_patterns(model, ("rmsnorm",))["rmsnorm"] for n in chain}
-    norm_nodes |= {n.name for n in model.graph.node if n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization")}
+    norm_nodes |= {n.name for n in model.graph.node
+                   if n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization")}
     producers = graph_producers(model.graph)
     return frozenset(n.name for n in model.graph.node if n.op_type == "MatMul"
                      and getattr(producers.get(n.input[0]), "name", None) in norm_nodes)

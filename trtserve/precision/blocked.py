@@ -75,7 +75,8 @@ class Rewrite:
 
     def block_sum(self, x: str, k: int) -> str:
         if x not in self.block_sums:
-            shape = self.constant(np.array([0] * (self.ranks[x] - 1) + [k // BLOCK, BLOCK], np.int64), f"{x}.blocks.shape")
+            shape = self.constant(np.array([0] * (self.ranks[x] - 1) + [k // BLOCK, BLOCK], np.int64),
+                                  f"{x}.blocks.shape")
             axes = self.constant(np.array([-1], np.int64), f"{x}.blocks.axes")
             self.nodes += [helper.make_node("Reshape", [x, shape], [f"{x}.blocks"], name=f"{x}.blocks"),
                            helper.make_node("ReduceSum", [f"{x}.blocks", axes], [f"{x}.blocksum"],
@@ -165,7 +166,8 @@ def _ranks(graph) -> dict:
     return {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
 
 
-def weight_rows(name: str, inits: dict, producers: dict, base: Path | None = None) -> tuple[np.ndarray | None, str | None]:
+def weight_rows(name: str, inits: dict, producers: dict,
+                base: Path | None = None) -> tuple[np.ndarray | None, str | None]:
     """The [N, K] rows of a MatMul's fp32 weight: an initializer [K, N], or Transpose of one [N, K]. External
     weights are read from their files under `base` (graph_files.tensor_array), one at a time."""
     if name in inits:

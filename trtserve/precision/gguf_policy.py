@@ -35,7 +35,8 @@ def _match(graph, index: BlockIndex, keep: frozenset, base: Path | None) -> tupl
         elif blocks is None:
             report["fp32"][node.name] = f"weight {weight} {list(rows.shape)}: no GGUF Q4_1/Q8_0 tensor holds these rows"
         elif kind == "embeddings" and blocks.minimum is not None:
-            report["fp32"][node.name] = f"embedding {weight}: {blocks.format} tables stay fp32 (no DequantizeLinear form)"
+            report["fp32"][node.name] = (f"embedding {weight}: {blocks.format} tables stay fp32 "
+                                         "(no DequantizeLinear form)")
         else:
             found[node.name] = (kind, blocks)
             report[kind][node.name] = {"format": blocks.format, "gguf_tensor": blocks.name,

@@ -194,7 +194,8 @@ def grid_ids(engine, kind: str, batch: int, length: int, seed: int) -> np.ndarra
     from trtserve.runtime.text import load_tokenizer
 
     tokenizer = load_tokenizer(engine.path)
-    rows = [tokenizer.encode(wiki_text(2 * length, 10 * i), add_special_tokens=False).ids[:length] for i in range(batch)]
+    rows = [tokenizer.encode(wiki_text(2 * length, 10 * i), add_special_tokens=False).ids[:length]
+            for i in range(batch)]
     return np.array(rows, dtype=np.int64)
 
 
@@ -346,7 +347,8 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
     train, test = split(len(labels))
     head = train_head(ref[train], labels[train])
     return {"data": f"{len(texts)} Pang & Lee polarity sentences ({POLARITY_FILE}, gensim)",
-            "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min()) if np.isfinite(ours).all() else float("nan"),
+            "mean_cosine": float(cos.mean()),
+            "worst_cosine": float(cos.min()) if np.isfinite(ours).all() else float("nan"),
             "neighbours": neighbour_agreement(unit(ref), unit(ours)),
             "sentiment_flips": int(np.sum(predict(head, ref[test]) != predict(head, ours[test]))),
             "sentiment_held_out": int(len(test))}

@@ -42,7 +42,8 @@ def activation_ranges(model, feeds_list) -> Ranges:
         op[name] = node.op_type
         for out in node.output:
             producer[out] = name
-        if node.op_type == "Pow" and node.input[1] in inits and float(numpy_helper.to_array(inits[node.input[1]])) == 2.0:
+        if (node.op_type == "Pow" and node.input[1] in inits
+                and float(numpy_helper.to_array(inits[node.input[1]])) == 2.0):
             squared.setdefault(node.input[0], []).append(name)
     probe = [name for name, t in types.items() if t == TensorProto.FLOAT and name in producer and name not in outputs]
     graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in probe)

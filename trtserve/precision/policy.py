@@ -14,7 +14,9 @@ MOVEMENT_OPS = frozenset({
     "GatherElements", "Expand", "Identity", "Flatten", "Tile", "Pad",
 })
 # Elementwise arithmetic that is safe in fp16 when both sides already are fp16.
-ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Neg", "Sigmoid", "Gelu", "Relu", "Tanh", "Where", "Clip", "Max", "Min", "Abs"})
+ELEMENTWISE_OPS = frozenset({
+    "Add", "Sub", "Mul", "Neg", "Sigmoid", "Gelu", "Relu", "Tanh", "Where", "Clip", "Max", "Min", "Abs",
+})
 # Overflow- or rounding-prone ops that hybrid keeps in fp32.
 FP32_OPS = frozenset({
     "Softmax", "LogSoftmax", "LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",

@@ -173,7 +173,8 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     flags = {f["node"]: f["absmax"] for f in flagged(ranges, fp32_model, get_policy("fp16"))}
     units = candidate_units(fp32_model, ranges, flags)
     record_units = len(units)
-    say(f"auto: {len(flags)} nodes overflow fp16 on calibration text and random ids; {len(units)} candidate units ranked")
+    say(f"auto: {len(flags)} nodes overflow fp16 on calibration text and random ids; "
+        f"{len(units)} candidate units ranked")
     # Bisect on real text at the shorter lengths (fast), then confirm on every length and the wide shapes
     # (random ids, batch 8, padded rows); if that misses, bisect again above the prefix found, on all of them.
     short = [n for n in harness.lengths if n <= SEARCH_MAX_LENGTH] or harness.lengths[:1]

@@ -138,7 +138,8 @@ def first_passing(plans: list, widenings: Callable, attempt: Callable, measure: 
             report = measure(engine)
             if report["passed"] or (last_plan and number == len(counts) - 1):
                 return report
-            missed.append({"plan": plan.label, "fidelity": summary(report), **({"kept_safer": kept} if measured else {})})
+            missed.append({"plan": plan.label, "fidelity": summary(report),
+                           **({"kept_safer": kept} if measured else {})})
             say(f"int8 activations in {plan.label}" + (f" with the {kept} most sensitive weights kept safer"
                                                        if measured else "") + f" miss the target: {summary(report)}")
     return report

@@ -175,7 +175,8 @@ class ContinuousBatcher:
         for i, s in enumerate(seqs):  # left padding: every row's last column is its last prompt token
             ids[i, longest - len(s.prompt):] = s.prompt
             mask[i, longest - len(s.prompt):] = 1
-        past = {name: np.zeros((len(seqs), heads, 0, dim), dtype=np.float32) for name, (heads, dim) in self.kv_shape.items()}
+        past = {name: np.zeros((len(seqs), heads, 0, dim), dtype=np.float32)
+                for name, (heads, dim) in self.kv_shape.items()}
         return _Prefill(list(seqs), ids, mask, DecodeState(np.zeros((len(seqs), 0), dtype=np.int64), past))
 
     def _prefill_chunk(self) -> list[Event]:

@@ -6,9 +6,9 @@ prompt, a chat history, few-shot examples) copies those rows into its slot inste
 A block's key is (the id of the block before it, its tokens): exact, never a hash collision. A prompt
 reuses its longest run of cached full blocks, leaving at least its last token to prefill (the next
 token's logits come from it). Memory is bounded: the least recently used block that no other block
-extends goes first, so a cached block's prefix is always cached too. Rows are stored as the engine computes them (float32);
-at a position, a key and value depend only on the tokens up to it, so reused rows are the rows a
-prefill would write."""
+extends goes first, so a cached block's prefix is always cached too. Rows are stored as the engine computes
+them (float32); at a position, a key and value depend only on the tokens up to it, so reused rows are the
+rows a prefill would write."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ class TrtBackend:
             context.set_optimization_profile_async(index, self.stream.cuda_stream)
             self.contexts.append(context)
         sizes = buffer_plan(engine.manifest.io, self.profiles)
-        self.device_buffers = {name: torch.empty(max(n, 1), dtype=getattr(torch, TORCH_DTYPE[dtype]), device=self.device)
+        self.device_buffers = {name: torch.empty(max(n, 1), dtype=getattr(torch, TORCH_DTYPE[dtype]),
+                                                 device=self.device)
                                for name, (dtype, n) in sizes.items()}
         self.host_buffers = {name: torch.empty(max(n, 1), dtype=getattr(torch, TORCH_DTYPE[dtype]), pin_memory=True)
                              for name, (dtype, n) in sizes.items()}

@@ -101,7 +101,8 @@ class _Shape:
             return {"token": decode([token]), "logprob": logprob, "bytes": list(decode([token]).encode())}
 
         if self.chat:
-            return ChatLogprobs(content=[TokenLogprob(**top(t, lp), top_logprobs=[TopLogprob(**top(k, v)) for k, v in alt])
+            return ChatLogprobs(content=[TokenLogprob(**top(t, lp),
+                                                      top_logprobs=[TopLogprob(**top(k, v)) for k, v in alt])
                                          for t, lp, alt in entries])
         tokens = [decode([t]) for t, _, _ in entries]
         offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]

@@ -187,9 +187,10 @@ class DecoderService(Service):
     def _fan_out(self, request, ids: list[int], max_tokens: int, logprobs: int | None, echo: str,
                  prompt_logprobs: int | None = None, grammar: str | None = None) -> list[Job]:
         if len(ids) + max_tokens > self.max_seq:
-            raise BadRequest(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + max_tokens} "
-                             f"is over this engine's context of {self.max_seq} tokens; shorten the prompt or lower "
-                             "max_tokens", param="max_tokens", code="context_length_exceeded")
+            raise BadRequest(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                             f"{len(ids) + max_tokens} is over this engine's context of {self.max_seq} tokens; "
+                             "shorten the prompt or lower max_tokens",
+                             param="max_tokens", code="context_length_exceeded")
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stop) > 4:
             raise BadRequest("`stop` takes up to 4 non-empty strings", param="stop")
@@ -220,8 +221,8 @@ class DecoderService(Service):
         for name, ids in (("stop_token_ids", stops), ("allowed_token_ids", allowed)):
             if any(t >= self.vocab for t in ids):
                 raise BadRequest(f"{name} must be token ids in [0, {self.vocab})", param=name)
-        return {**chosen, "allowed_token_ids": allowed, "top_k": max(chosen["top_k"], 0), "logit_bias": tuple(bias), "stop_token_ids": stops,
-                "min_tokens": request.min_tokens, "presence_penalty": request.presence_penalty,
+        return {**chosen, "allowed_token_ids": allowed, "top_k": max(chosen["top_k"], 0), "logit_bias": tuple(bias),
+                "stop_token_ids": stops, "min_tokens": request.min_tokens, "presence_penalty": request.presence_penalty,
                 "frequency_penalty": request.frequency_penalty, "ignore_eos": request.ignore_eos}
 
     # -- one sequence ---------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def _plan(request) -> ToolPlan | None:
         function = tool["function"]
         name = function.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", param=f"{where}.function.name")
+            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -",
+                             param=f"{where}.function.name")
         if name in functions:
             raise BadRequest(f"two tools are named {name!r}", param=f"{where}.function.name")
         parameters = function.get("parameters", {"type": "object", "properties": {}})

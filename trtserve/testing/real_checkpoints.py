@@ -5,8 +5,9 @@
 - random-weight checkpoints of real shapes (Qwen2.5-1.5B, Qwen2.5-3B, Gemma-3-270M's 262,144-token vocabulary),
   made on the meta device and saved in bf16, with Qwen's real tokenizer beside them.
 
-`python -m trtserve.testing.real_checkpoints NAME` prints the folder of NAME, making it first where the cache lacks it (the
-conversion runs in that process: 5.6 GB of transformers' GGUF dequantization never lands in a test's process).
+`python -m trtserve.testing.real_checkpoints NAME` prints the folder of NAME, making it first where the cache lacks
+it (the conversion runs in that process: 5.6 GB of transformers' GGUF dequantization never lands in a test's
+process).
 """
 
 from __future__ import annotations
