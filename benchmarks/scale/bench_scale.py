@@ -59,11 +59,12 @@ def parameters(folder: Path) -> int:
     return total
 
 
-def build(folder: Path, out: Path, precision: str, max_seq: int | None) -> dict:
+def build(folder: Path, out: Path, precision: str, max_seq: int | None, target: str = "") -> dict:
     """Build through the CLI under /usr/bin/time -v: seconds per stage, wall seconds, peak RSS (MiB). The build's
     progress lines are passed on to stderr as they come."""
     command = ["/usr/bin/time", "-v", sys.executable, "-m", "trtserve", "build-engine", str(folder), "--out", str(out),
-               "--precision", precision] + (["--max-seq", str(max_seq)] if max_seq else [])
+               "--precision", precision] + (["--max-seq", str(max_seq)] if max_seq else []) \
+        + (["--fidelity-target", target] if target else [])
     started = time.perf_counter()
     lines = []
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
@@ -136,6 +137,9 @@ def main() -> None:
     parser.add_argument("--max-seq", type=int, default=None, help="the engines' --max-seq (default: the builder's)")
     parser.add_argument("--out", type=Path, default=ROOT / "engines" / "scale")
     parser.add_argument("--reuse", action="store_true", help="measure engines already under --out, no build")
+    parser.add_argument("--fidelity-target", default="", help="passed to build-engine (random-weight shapes have "
+                        "near-tied logits that quantized weights flip: measure their cost with a target that "
+                        "says so)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -150,7 +154,7 @@ def main() -> None:
         count = parameters(folder)
         for precision in args.precision or ["fp32"]:
             engine = args.out / f"{name}-{precision}"
-            built = None if args.reuse else build(folder, engine, precision, args.max_seq)
+            built = None if args.reuse else build(folder, engine, precision, args.max_seq, args.fidelity_target)
             rss = served_rss(engine)
             speed = decode_speed(engine, args.prompt, args.tokens, args.rounds)
             if built:
