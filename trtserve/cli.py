@@ -87,12 +87,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
         pt = engine.manifest.parallel_tracks
         print(f"track-sharded engine written to {engine.path}: {pt.tracks} tracks x {pt.segments} segments, "
               f"{pt.sync.per_forward} all-reduce(s) per forward")
+        assert engine.manifest.parity is not None  # every track engine's
         print(f"parity vs torch fp32 (all tracks in one process): max abs error "
               f"{engine.manifest.parity.max_abs_error:.2e}")
         if engine.manifest.fidelity is not None:
             print(f"fidelity vs torch fp32 ({args.precision}): {summary(engine.manifest.fidelity)}")
         return 0
     print(f"engine written to {engine.path}")
+    assert engine.manifest.precision is not None  # every checkpoint engine's
     print(f"fidelity vs torch fp32 ({engine.manifest.precision.policy}): {summary(engine.manifest.fidelity)}")
     return 0
 
@@ -171,6 +173,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     report = remeasure(engine, args.text)
     if args.json:
         print(json.dumps(report, indent=2))
+    assert engine.manifest.precision is not None  # measured again: a checkpoint engine's
     print(f"fidelity of {engine.path} ({engine.manifest.precision.policy}) vs torch fp32: {summary(report)}")
     for failure in report["failures"]:
         print(f"  miss: {failure}")
@@ -246,8 +249,8 @@ def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve engines over HTTP (OpenAI-compatible and KServe v2); every flag is "
                            "also read from a TRTSERVE_* variable, e.g. TRTSERVE_PORT")
     serve.add_argument("model", nargs="*", default=argparse.SUPPRESS, metavar="[NAME=]MODEL",
-                       help=ServeTarget.model_fields["model"].description + "; several are served side by side, "
-                       "each under its manifest's model id or the NAME given")
+                       help=(ServeTarget.model_fields["model"].description or "") + "; several are served side by "
+                       "side, each under its manifest's model id or the NAME given")
     add_flags(serve, ServerConfig, skip=("engine_dir",))
     add_flags(serve, ServeTarget, skip=("model",))
     ray = serve.add_argument_group("Ray Serve (a cluster of replicas instead of local worker processes)")
@@ -278,8 +281,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from trtserve.server.app import serve
     from trtserve.server.registry import plan
 
-    engines = served_engines(models, target.model_repository, target.precision, target.backend)
-    engines = [(name, str(path)) for name, path in engines]
+    served = served_engines(models, target.model_repository, target.precision, target.backend)
+    engines = [(name, str(path)) for name, path in served]
     configs = plan(cfg, engines)  # a clash of names or a wrong --tracks: one clear error before the server starts
     from trtserve.engine_dir import open_engine_dir
     from trtserve.server.generation import check_tracks_option
@@ -419,6 +422,7 @@ def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
             return 130
         extra = EXTRAS.get((exc.name or "").split(".")[0]) if isinstance(exc, ModuleNotFoundError) else None
         if extra is not None:  # an optional dependency this command needs is not installed
+            assert isinstance(exc, ModuleNotFoundError)
             print(f"error: `trtserve {args.command}` needs {exc.name}, which is not installed: "
                   f"pip install 'trtserve[{extra}]'", file=sys.stderr)
             return 2

@@ -25,7 +25,7 @@ def build_code_digest(root: Path | None = None) -> str:
     engines keyed by it is never reused by a trtserve whose builder writes something else (a new manifest
     field, another policy)."""
     root = Path(__file__).parent if root is None else Path(root)
-    files = []
+    files: list[Path] = []
     for path in (root / name for name in BUILD_CODE):
         files += [path] if path.is_file() else path.rglob("*.py")
     return sha256_files(files, root)  # sorts them

@@ -143,6 +143,7 @@ def _detach(tensor, location: str, offset: int, length: int) -> tuple:
     """Point `tensor` at (location, offset, length); return what it held before, for `_restore`."""
     from onnx import TensorProto
 
+    held: tuple
     if is_external(tensor):
         held = ("external", [(e.key, e.value) for e in tensor.external_data])
     elif tensor.HasField("raw_data"):

@@ -9,27 +9,31 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trtserve.graph_files import tensor_array
 
+if TYPE_CHECKING:
+    from onnx import GraphProto, NodeProto
 
-def producers(graph) -> dict:
+
+def producers(graph: GraphProto) -> dict[str, NodeProto]:
     """Tensor name -> the node that makes it."""
     return {out: node for node in graph.node for out in node.output}
 
 
-def readers(graph) -> defaultdict:
+def readers(graph: GraphProto) -> defaultdict[str, list[NodeProto]]:
     """Tensor name -> the nodes that read it, in graph order (an unread name: [])."""
-    found: defaultdict = defaultdict(list)
+    found: defaultdict[str, list[NodeProto]] = defaultdict(list)
     for node in graph.node:
         for name in node.input:
             found[name].append(node)
     return found
 
 
-def attr(node, name: str, default=None):
+def attr(node: NodeProto, name: str, default: Any = None) -> Any:
     """A node attribute's value (onnx.helper.get_attribute_value), or `default`."""
     from onnx import helper
 
@@ -43,12 +47,12 @@ class GraphIndex:
     """Producers, readers, initializers and value types of one graph; `base`: the folder its external weights are
     read from (a graph loaded without them)."""
 
-    def __init__(self, graph, base: Path | None = None):
+    def __init__(self, graph: GraphProto, base: Path | None = None) -> None:
         self.graph, self.base = graph, base
         self.inits = {init.name: init for init in graph.initializer}
         self.producer = producers(graph)
         self.readers = readers(graph)
-        self.types = {value.name: value.type.tensor_type.elem_type
+        self.types: dict[str, int] = {value.name: value.type.tensor_type.elem_type
                       for value in [*graph.input, *graph.value_info, *graph.output]}
         self.types.update((name, init.data_type) for name, init in self.inits.items())
 
@@ -65,12 +69,13 @@ class GraphIndex:
         return None
 
 
-def prune(graph) -> None:
+def prune(graph: GraphProto) -> None:
     """Keep only the nodes the graph's outputs need and the initializers they read, in place, in topological
     order: where the graph's order already is one, it is kept as it was (nodes made ready in their old order)."""
     nodes = list(graph.node)
     made_by = {out: i for i, node in enumerate(nodes) for out in node.output}
-    needed, stack = set(), [made_by[o.name] for o in graph.output if o.name in made_by]
+    needed: set[int] = set()
+    stack = [made_by[o.name] for o in graph.output if o.name in made_by]
     while stack:
         i = stack.pop()
         if i in needed:
@@ -78,13 +83,13 @@ def prune(graph) -> None:
         needed.add(i)
         stack.extend(made_by[name] for name in nodes[i].input if name in made_by and made_by[name] not in needed)
     waiting = {i: {made_by[name] for name in nodes[i].input if name in made_by} for i in needed}
-    after: defaultdict = defaultdict(list)
+    after: defaultdict[int, list[int]] = defaultdict(list)
     for i, inputs in waiting.items():
         for j in inputs:
             after[j].append(i)
     ready = [i for i, inputs in waiting.items() if not inputs]
     heapq.heapify(ready)
-    order = []
+    order: list[NodeProto] = []
     while ready:
         i = heapq.heappop(ready)
         order.append(nodes[i])

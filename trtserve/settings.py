@@ -13,6 +13,7 @@ import typing
 from typing import Literal
 
 from pydantic import ValidationError, create_model
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trtserve.errors import TrtServeError
@@ -88,11 +89,12 @@ def load(cls: type[Settings], args: argparse.Namespace | dict | None = None, **v
 
 def only(cls: type[Settings], *names: str) -> type[Settings]:
     """A settings model of some of `cls`'s fields (to read one variable without the others)."""
-    return create_model(f"{cls.__name__}Part", __base__=Settings,
+    # a model's own fields always have an annotation: pydantic types it as optional
+    return create_model(f"{cls.__name__}Part", __base__=Settings,  # type: ignore[call-overload]
                         **{name: (cls.model_fields[name].annotation, cls.model_fields[name]) for name in names})
 
 
-def _one_line(error: dict, values: dict, cls: type[Settings]) -> str:
+def _one_line(error: ErrorDetails, values: dict, cls: type[Settings]) -> str:
     name = str(error["loc"][0]) if error.get("loc") else "?"
     kind, ctx = error["type"], error.get("ctx") or {}
     if name in values:  # a flag (or a value passed in code)
@@ -101,7 +103,7 @@ def _one_line(error: dict, values: dict, cls: type[Settings]) -> str:
         where, fix = f"{variable(name)}={os.environ.get(variable(name), error.get('input'))!r}", ": fix or unset it"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         bound = next(iter(ctx.values()))
-        what = {"greater_than_equal": "must not be negative" if bound == 0 else f"must be at least {bound}",
+        what: str | None = {"greater_than_equal": "must not be negative" if bound == 0 else f"must be at least {bound}",
                 "greater_than": "must be positive" if bound == 0 else f"must be more than {bound}",
                 "less_than_equal": f"must be at most {bound}", "less_than": f"must be less than {bound}"}[kind]
         return f"{where} {what}{fix}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def head_for(engine, reference_embeddings: np.ndarray, labels: np.ndarray) -> di
     return head
 
 
-def downstream(backends: dict[str, object], reference_key: str, out: Path) -> dict:
+def downstream(backends: dict[str, Any], reference_key: str, out: Path) -> dict:
     """Accuracy on the held-out split for each named backend (a TextEngine), and how many held-out
     predictions differ from the torch fp32 reference's."""
     texts, labels = polarity()
@@ -80,8 +81,9 @@ def downstream(backends: dict[str, object], reference_key: str, out: Path) -> di
     head = head_for(reference.backend.engine, embeddings[reference_key], labels)
     train, test = split(len(labels))
     base = predict(head, embeddings[reference_key][test])
-    result = {"data": f"Pang & Lee polarity sentences (gensim), {len(train)} train / {len(test)} held out",
-              "head": "logistic regression on torch fp32 embeddings", "accuracy": {}, "flips_vs_fp32": {}}
+    result: dict[str, Any] = {
+        "data": f"Pang & Lee polarity sentences (gensim), {len(train)} train / {len(test)} held out",
+        "head": "logistic regression on torch fp32 embeddings", "accuracy": {}, "flips_vs_fp32": {}}
     for name, x in embeddings.items():
         guess = predict(head, x[test])
         result["accuracy"][name] = float(np.mean(guess == labels[test]))

@@ -16,10 +16,11 @@ class ServeTarget(Settings):
     model: str | None = Field(None, description="engine directory, or a model (built once into the engine cache)")
     model_repository: str | None = Field(None, description="a folder whose subfolders are engine directories: "
                                          "each is served under its folder's name")
-    precision: Literal[PRECISIONS] = Field("fp32", description="when MODEL is a checkpoint: the precision policy "
-                                           "of the engine built for it")
-    backend: Literal[BACKENDS] = Field("auto", description="when MODEL is a checkpoint: the backend its engine is "
-                                       "built for")
+    # Literal of the names in the tuple: pydantic reads it so, mypy wants the values written out
+    precision: Literal[PRECISIONS] = Field(  # type: ignore[valid-type]
+        "fp32", description="when MODEL is a checkpoint: the precision policy of the engine built for it")
+    backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
+        "auto", description="when MODEL is a checkpoint: the backend its engine is built for")
 
 
 class RayOptions(Settings):

@@ -75,7 +75,9 @@ def build_application(models: list[str], repository: str | None, precision: str,
     from trtserve.deploy.ray_replica import TrtServeReplica
 
     cpus = options["ray_actor_options"]["num_cpus"]
-    return TrtServeReplica.options(**options).bind(models, repository, precision, backend, replica_config(cfg, cpus))
+    # the ignore: ray's serve.ingress types the class it decorates as the class, not the Deployment it is
+    return TrtServeReplica.options(**options).bind(  # type: ignore[attr-defined]
+        models, repository, precision, backend, replica_config(cfg, cpus))
 
 
 def run(models: list[str], precision: str, backend: str, cfg: ServerConfig, opts: RayOptions, blocking: bool = True,

@@ -56,7 +56,7 @@ def add_residual_rows(model, names) -> frozenset:
     reading one input share the residual, and a GEMM that has residual rows already is left alone. In place;
     returns the names of the GEMMs rewritten."""
     graph = model.graph
-    constants = {
+    constants: dict[str, np.ndarray] = {
         "residual.block_shape": np.array([-1, BLOCK], np.int64), "residual.axes": np.array([-1], np.int64),
         "residual.levels": np.array(127.0, np.float32), "residual.smallest": np.array(1e-30, np.float32)}
     done = residual_gemms(model)

@@ -151,7 +151,7 @@ class _Draft:
     harness: object = None  # the precision step's fidelity harness (reference model, text), later steps reuse
 
     def engine(self) -> engine_dir.EngineDir:
-        return engine_dir.EngineDir(self.tmp, self.manifest)
+        return engine_dir.EngineDir(self.tmp, engine_dir.as_manifest(self.manifest))
 
 
 def _build_into(tmp: Path, cfg: BuildConfig, source: ModelSource, max_seq: int, backend: str, why: str,
@@ -214,8 +214,10 @@ def _precision_step(d: _Draft) -> dict:
                           precision=precision, backend=backend_entry)
         return d.engine()
 
+    assert d.fp32_graph is not None  # the export step's
     report = write_precision(d.cfg.precision, Gate(d.fp32_graph, onnx_path, d.source, harness, target, lower, engine))
     chosen = engine_dir.as_manifest(d.manifest)  # the sections of the try write_precision kept
+    assert chosen.backend is not None
     d.backend_entry = dict(chosen.backend.model_dump(exclude_unset=True), weights=map_weights(d.tmp / OPTIMIZED),
                            resident_mb=resident_mb(d.tmp / OPTIMIZED))  # of the chosen graph only
     d.report = report
@@ -297,6 +299,7 @@ def remeasure(engine: engine_dir.EngineDir, calibration=None) -> dict:
     from trtserve.precision.run import measure_engine
 
     source = resolve(engine.manifest.model.source)
+    assert engine.manifest.fidelity is not None  # every checkpoint engine's
     target = Target(**engine.manifest.fidelity.target)
     return measure_engine(engine, source, fp32_export(source), target, calibration)
 

@@ -131,7 +131,7 @@ def _rename_dims(path: Path, past_dims: bool) -> None:
     mapping: dict[str, str] = {}
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
-        wanted = DIM_NAMES.get(value.name)
+        wanted: tuple[str | None, ...] | None = DIM_NAMES.get(value.name)
         if wanted is None and past_dims and value.name.startswith("past_key_values."):
             wanted = ("batch", None, "past_sequence", None)
         if wanted is None and value.name in ("position_ids", "token_type_ids"):

@@ -23,6 +23,9 @@ def describe_manifest(engine: EngineDir) -> str:
     if m.parallel_tracks is not None:
         return _describe_tracks(engine)
     model, backend, arch = m.model, m.backend, m.model.architecture
+    # what every engine the builder writes has
+    assert backend is not None and m.precision is not None and m.onnx is not None and model.source_sha256 is not None
+    assert m.shapes is not None and m.io is not None
     lines = [
         f"engine      {engine.path}",
         f"model       {model.id} ({model.family} {model.kind}, {arch.num_layers} layers, "
@@ -95,6 +98,7 @@ def _describe_tracks(engine: EngineDir) -> str:
     from trtserve.precision.run import summary
 
     m, pt = engine.manifest, engine.manifest.parallel_tracks
+    assert pt is not None and m.precision is not None and m.parity is not None  # every track engine's
     arch = m.model.architecture
     return "\n".join([
         f"engine      {engine.path}",

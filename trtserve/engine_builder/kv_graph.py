@@ -88,7 +88,7 @@ def _rotated(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, st
         raise NotLowered(f"{what}: {cat.name} is not a partial rotary concat")
     part, cos, sin, dims = _rotary(g, cat.input[0], what)
     first, rest = g.node(part, "Slice", what), g.node(cat.input[1], "Slice", what)
-    bounds = [(g.const(s.input[1]), g.const(s.input[2])) for s in (first, rest)]
+    bounds: list = [(g.const(s.input[1]), g.const(s.input[2])) for s in (first, rest)]  # None: checked below
     if (first.input[0] != rest.input[0] or any(a is None or b is None for a, b in bounds)
             or int(bounds[0][0].ravel()[0]) != 0 or int(bounds[0][1].ravel()[0]) != dims
             or int(bounds[1][0].ravel()[0]) != dims or int(bounds[1][1].ravel()[0]) < head):
@@ -99,7 +99,7 @@ def _rotated(g: _Graph, tensor: str, head: int, what: str) -> tuple[str, str, st
 def _rotary(g: _Graph, tensor: str, what: str) -> tuple[str, str, str, int]:
     """x * cos + cat(-x[..., R/2:], x[..., :R/2]) * sin -> (x, cos, sin, R)."""
     add = g.node(tensor, "Add", what)
-    muls = [g.producer.get(i) for i in add.input]
+    muls: list = [g.producer.get(i) for i in add.input]  # None: checked below
     if any(m is None or m.op_type != "Mul" for m in muls):
         raise NotLowered(f"{what}: {add.name} does not add two products")
     for rotated, plain in (muls, muls[::-1]):
@@ -115,7 +115,7 @@ def _rotary(g: _Graph, tensor: str, what: str) -> tuple[str, str, str, int]:
             x = first.input[0]
             if second.input[0] != x or x not in plain.input:
                 continue
-            halves = [(g.const(s.input[1]), g.const(s.input[2])) for s in (first, second)]
+            halves: list = [(g.const(s.input[1]), g.const(s.input[2])) for s in (first, second)]  # None: checked
             if any(a is None or b is None for a, b in halves):
                 continue
             (s1, _), (s2, e2) = halves
@@ -222,14 +222,14 @@ def _packed_qkv(g: _Graph, f: dict, i: int) -> list[str]:
     form: key and value empty), one GEMM instead of three per layer. Where they already are one product split
     three ways along its last axis (quantized weights fused by precision.blocked), the attention reads that
     product whole and the Split goes. Otherwise the three as they are."""
-    products = [g.producer.get(f[t]) for t in ("q", "k", "v")]
+    products: list = [g.producer.get(f[t]) for t in ("q", "k", "v")]  # None: checked below
     split = products[0]
     if split is not None and split.op_type == "Split" and list(split.output) == [f["q"], f["k"], f["v"]] \
             and attr(split, "axis", 0) in (-1, 2):
         return [split.input[0], "", ""]
     if any(p is None or p.op_type != "MatMul" for p in products) or len({p.input[0] for p in products}) != 1:
         return [f["q"], f["k"], f["v"]]
-    weights = [g.const(p.input[1]) for p in products]
+    weights: list = [g.const(p.input[1]) for p in products]  # None: checked below
     if any(w is None or w.ndim != 2 or w.dtype != np.float32 for w in weights):
         return [f["q"], f["k"], f["v"]]
     name = f"kv.qkv_weight.{i}"

@@ -199,7 +199,7 @@ def _lower(graph: Path, int8_activations: frozenset, residual: frozenset = froze
             and ("*" in int8_activations or n.name in int8_activations)}
     with_residual = {n.name for n in model.graph.node if n.name not in int8 and takes_residual(n)
                      and ("*" in residual or n.name in residual)}
-    counts = {}
+    counts: dict[str, int] = {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue

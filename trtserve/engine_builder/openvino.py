@@ -52,7 +52,7 @@ def time_against(backends: dict, feeds: dict, rounds: int = ROUNDS, calls: int =
     """{shape: {backend name: median ms}}: the backends take turns by round (order reversed every other round),
     each running `calls` calls per shape after one untimed call, so that neither is timed while the other's
     threads are still spinning down or its caches are cold."""
-    times = {(name, shape): [] for name in backends for shape in feeds}
+    times: dict[tuple, list[float]] = {(name, shape): [] for name in backends for shape in feeds}
     for r in range(rounds):
         for name in (list(backends) if r % 2 == 0 else list(backends)[::-1]):
             for shape, f in feeds.items():
@@ -80,6 +80,7 @@ def measure_openvino(engine, harness, requested: bool, allow_low_fidelity: bool 
     precisions = [p for p in native if p not in skipped]
     ort_backend = OrtBackend(engine)
     feeds = timing_feeds(engine, harness.tokenizer, harness.corpus)
+    reports: dict[str | None, dict]  # None: no precision kept
     tried, reports = [], {}
     try:
         for precision in precisions:

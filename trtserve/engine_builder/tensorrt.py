@@ -42,6 +42,7 @@ def profiles_for(kind: str, shapes: Shapes, io: IO) -> list[Profile]:
         plans = [("all", {"batch": shapes.batch, "sequence": shapes.sequence})]
     else:
         seq, past, total = shapes.sequence, shapes.past_sequence, shapes.total_sequence
+        assert past is not None and total is not None  # a decoder's
         one = {"logit_positions": Range(min=1, opt=1, max=1)} if shapes.logit_positions else {}
         prefill = {"batch": shapes.batch, "sequence": seq, "past_sequence": Range(min=0, opt=0, max=past.max),
                    "total_sequence": Range(min=1, opt=seq.opt, max=total.max)}
@@ -52,6 +53,7 @@ def profiles_for(kind: str, shapes: Shapes, io: IO) -> list[Profile]:
                         "total_sequence": Range(min=1, opt=min(past.opt + 1, total.max), max=total.max), **one}),
         ]
         if one:
+            assert shapes.logit_positions is not None
             rows = min(PROMPT_LOGPROBS_BATCH, shapes.batch.max)
             plans.append(("prompt_logprobs", {**prefill, "batch": Range(min=1, opt=1, max=rows),
                                               "logit_positions": shapes.logit_positions.model_copy(

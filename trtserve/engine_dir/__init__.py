@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -31,7 +32,7 @@ class EngineDir:
     path: Path
     manifest: Manifest
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "manifest", as_manifest(self.manifest))
 
     @property
@@ -46,21 +47,21 @@ class EngineDir:
         return self.path / name
 
 
-def file_entry(path: Path) -> dict:
+def file_entry(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def as_manifest(manifest: Manifest | dict) -> Manifest:
+def as_manifest(manifest: Manifest | dict[str, Any]) -> Manifest:
     """The typed manifest of a dict the builder composed (a schema error there is a bug: it raises)."""
     return manifest if isinstance(manifest, Manifest) else Manifest.model_validate(manifest)
 
 
-def write_manifest(directory: Path, manifest: Manifest | dict) -> None:
+def write_manifest(directory: Path, manifest: Manifest | dict[str, Any]) -> None:
     manifest = dict(as_manifest(manifest).to_json(), schema_version=SCHEMA_VERSION)
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
-def seal(directory: Path, manifest: Manifest | dict) -> EngineDir:
+def seal(directory: Path, manifest: Manifest | dict[str, Any]) -> EngineDir:
     """Finish an engine dir being written: list every file in it (size, sha256), then write the manifest."""
     files = {p.name: file_entry(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = as_manifest(dict(as_manifest(manifest).to_json(), files=files))

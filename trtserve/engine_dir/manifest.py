@@ -301,7 +301,7 @@ class Manifest(Part):
     def kv_graph(self) -> KvGraph | None:
         return self.backend.kv_graph if self.backend else None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The manifest as written: the keys the builder set, nothing added; measured values as measured (a
         NaN stays NaN, as json writes it, where pydantic's JSON mode would write null)."""
         return self.model_dump(exclude_unset=True)

@@ -88,6 +88,7 @@ def load_grid(path: Path | None = None, preset: str | None = None) -> Grid:
         if not path.is_file():
             names = ", ".join(sorted(p.stem for p in PRESETS.glob("*.toml")))
             raise TrtServeError(f"no preset {preset!r}: choose one of {names}")
+    assert path is not None  # a grid file or the preset's
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -114,4 +115,5 @@ def load_grid(path: Path | None = None, preset: str | None = None) -> Grid:
         raise TrtServeError(f"{path}: token_limits maps a model to the largest batch x sequence to run")
     return Grid(name=Path(path).stem, source=preset or str(Path(path).absolute()),
                 token_limits=tuple(sorted(limits.items())),
-                **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+                # the ignore: each key's value is of its field's type (checked above), which mypy cannot know
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})  # type: ignore[arg-type]

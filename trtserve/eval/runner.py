@@ -14,12 +14,17 @@ import platform
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trtserve.eval.grid import INPUTS, Config, Grid
 from trtserve.graph_files import graph_bytes
 from trtserve.progress import say
+
+if TYPE_CHECKING:
+    from trtserve.engine_dir import EngineDir
+    from trtserve.runtime.base import Backend
 
 RESULTS = "results.jsonl"
 ENGINES = "engines.json"  # each engine's build-time fidelity (its gate), written at the end of a run
@@ -110,8 +115,8 @@ class _Session:
 
     def __init__(self, grid: Grid, out: Path):
         self.grid, self.out = grid, out
-        self.engines: dict[tuple, object] = {}
-        self.backends: dict[tuple, object] = {}
+        self.engines: dict[tuple, EngineDir] = {}
+        self.backends: dict[tuple, Backend | None] = {}
         self.references: dict[tuple, np.ndarray] = {}
         self.why_not: dict[str, str] = {}
         self.unbuildable: dict[tuple, str] = {}  # (model, precision) -> why the build refused it
@@ -158,6 +163,7 @@ class _Session:
         peak = _rss("VmHWM")
         working = None if peak is None or before is None else max(peak - before, 0)
         loaded = self.loaded_bytes.get((config.model, config.backend, config.precision))
+        assert engine.manifest.onnx is not None
         row.update(status="ok", runs=len(samples), **_latency(samples, config), peak_rss_bytes=peak,
                    working_bytes=working, backend_load_bytes=loaded,
                    memory_bytes=None if working is None or loaded is None else working + loaded,
@@ -305,6 +311,7 @@ def _output_name(backend) -> str:
 def _timed(backend, feeds: dict, min_runs: int, min_seconds: float) -> tuple[list[float], np.ndarray]:
     output_name = _output_name(backend)
     backend.infer(feeds)  # warm-up
+    samples: list[float]
     samples, started = [], time.perf_counter()
     while len(samples) < min_runs or (time.perf_counter() - started < min_seconds and len(samples) < 200):
         t0 = time.perf_counter()

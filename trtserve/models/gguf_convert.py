@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from trtserve.fileio import atomic_dir, sha256_file
 from trtserve.progress import say, step
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 
 def convert_cached(gguf: Path, cache: Path, name: str) -> Path:
@@ -32,7 +36,7 @@ def _convert(gguf: Path, out: Path) -> None:
     # A GGUF-loaded model refuses save_pretrained; the dequantized weights go into a plain model.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    fresh = LlamaForCausalLM(config)
+    fresh = LlamaForCausalLM(cast("LlamaConfig", config))  # a Llama GGUF's
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     # Tied embeddings: lm_head.weight is not stored separately.
     missing = [key for key in missing if not (config.tie_word_embeddings and key == "lm_head.weight")]

@@ -129,7 +129,7 @@ def to_compact(ids: list[int], vocab):
     """Tokenizer ids -> the model's compact ids (0 for tokens outside its vocabulary)."""
     import torch
 
-    ids = np.asarray(ids, dtype=np.int64)
+    array = np.asarray(ids, dtype=np.int64)
     vocab = np.asarray(vocab.tolist(), dtype=np.int64)
-    size = int(max(ids.max(initial=0), vocab.max(initial=0))) + 1
-    return torch.from_numpy(compact_lookup(vocab, size)[ids])
+    size = int(max(array.max(initial=0), vocab.max(initial=0))) + 1
+    return torch.from_numpy(compact_lookup(vocab, size)[array])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Pooling:
                 "folders": list(self.folders), "dimensions": self.dimensions(hidden_size)}
 
 
-def _json(path: Path) -> dict | list:
+def _json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -186,7 +187,8 @@ def pool(pooling: Pooling, hidden: np.ndarray, mask: np.ndarray, dense: list | N
     out = np.concatenate(parts, axis=1)
     for (weight, bias), module in zip(dense or [], pooling.dense):
         out = out @ weight.astype(np.float64).T + (0 if bias is None else bias)
-        out = {"identity": lambda x: x, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0),
+        # the ignore: mypy joins a ufunc and lambdas to object, which it cannot call
+        out = {"identity": lambda x: x, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0),  # type: ignore[operator]
                "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
                "gelu": lambda x: 0.5 * x * (1 + _erf(x / np.sqrt(2)))}[module.activation](out)
     if pooling.normalize:

@@ -121,6 +121,8 @@ def run_segment(layers, p_of, h, cfg: PTConfig, tracks: int, segment: int, past=
 class ParallelTrackModel(nn.Module):
     """The single-process reference: every track in one process, the all-reduce a plain sum."""
 
+    vocab: torch.Tensor  # a buffer: the tokenizer id of each compact id (-1: unknown)
+
     def __init__(self, cfg: PTConfig, vocab: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
@@ -173,7 +175,7 @@ def save_checkpoint(model: ParallelTrackModel, out: Path, tokenizer_dir: Path) -
                 (tmp / name).write_bytes((Path(tokenizer_dir) / name).read_bytes())
 
 
-def load_checkpoint(path: Path) -> ParallelTrackModel:
+def load_checkpoint(path: str | Path) -> ParallelTrackModel:
     from safetensors.torch import load_file
 
     path = Path(path)

@@ -138,6 +138,7 @@ def write_blocks(model, found: dict, report: dict) -> None:
         if node.name in found and found[node.name][0] == "gemms":
             blocks = found[node.name][1]
             groups.setdefault((node.input[0], blocks.format, _without_minimum(blocks)), []).append(node)
+    fused_away: set[str]
     rewrite, nodes, fused_away = Rewrite(_ranks(graph)), [], set()
     for node in graph.node:
         if node.name in fused_away:

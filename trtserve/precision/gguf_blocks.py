@@ -98,7 +98,7 @@ class BlockIndex:
 
     def match(self, rows: np.ndarray) -> Blocks | None:
         """The blocks whose dequantized rows equal `rows` [N, K] exactly, or None."""
-        found = [self.where.get(key) for key in _row_keys(rows)]
+        found: list = [self.where.get(key) for key in _row_keys(rows)]  # (tensor, row) or None each
         if not found or any(f is None for f in found) or len({t for t, _ in found}) != 1:
             return None
         blocks = self.tensors[found[0][0]]

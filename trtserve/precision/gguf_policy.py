@@ -27,6 +27,7 @@ def apply_gguf(model, gguf: Path, keep: frozenset = frozenset(), index: BlockInd
 
 def _match(graph, index: BlockIndex, keep: frozenset, base: Path | None) -> tuple[dict, dict]:
     """The GGUF blocks behind each MatMul and Gather weight ({node: (kind, blocks)}), and the report."""
+    report: dict[str, dict]
     found, report = {}, {"gemms": {}, "embeddings": {}, "fp32": {}}
     for node, kind, rows, weight in weight_candidates(graph, base):
         blocks = index.match(rows) if rows.shape[1] % BLOCK == 0 and node.name not in keep else None

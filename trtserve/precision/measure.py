@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,7 @@ class Target:
     @classmethod
     def parse(cls, text: str) -> Target:
         """'cosine=0.9998,token_cosine=0.999,top1=0.995,ppl_delta=0.005' (any subset)."""
-        values = {}
+        values: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, _, value = item.partition("=")
             if key not in TARGET_KEYS:
@@ -114,6 +115,7 @@ class Corpus:
         step = max(1, len(self.paragraphs) // (count + 1))
         rows = []
         for r in range(count):
+            ids: list[int]
             ids, i = [], r * step
             while len(ids) < length and i < r * step + len(self.paragraphs):
                 chunk = self.paragraphs[i % len(self.paragraphs)]
@@ -218,6 +220,7 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
         mask[1, length - length // 4:] = 0  # row 1 right-padded: covers padding masks
         ids[1, length - length // 4:] = tokenizer.pad_token_id or 0
         cases[f"seq{length}"] = case(backend, ref_model, ids, mask)
+    assert backend.engine.manifest.shapes is not None  # every engine's (its backend checks feeds against them)
     for kind, batch, length in wide_shapes(lengths, backend.engine.manifest.shapes.batch.max) if wide else ():
         ids, mask = _wide_rows(backend.engine, tokenizer, corpus, kind, batch, length, left=False)
         cases[_label(kind, batch, length)] = {"input": kind, **case(backend, ref_model, ids, mask)}
@@ -272,6 +275,7 @@ def _tokenized_chunks(backend: Backend, tokenizer, *columns: list[str]):
     """Feeds of the texts (two columns: pairs), up to 32 rows at a time, each chunk padded to its longest row
     and cut to the engine's limit."""
     names = {spec.name for spec in backend.inputs}
+    assert backend.engine.manifest.shapes is not None
     chunk = min(32, backend.engine.manifest.shapes.batch.max)
     max_seq = backend.engine.manifest.shapes.sequence.max
     for i in range(0, len(columns[0]), chunk):
@@ -293,6 +297,8 @@ def ranking_report(backend: Backend, ref_model, tokenizer) -> dict:
 
     texts, _ = polarity()
     worst_error, overlaps = 0.0, []
+    ours: list | np.ndarray
+    ref: list | np.ndarray
     for query in QUERIES:
         ours, ref = [], []
         for feeds in _tokenized_chunks(backend, tokenizer, [query] * len(texts), texts):
@@ -335,6 +341,8 @@ def sentences_report(backend: Backend, ref_model, tokenizer) -> dict:
     from trtserve.data.sentiment import POLARITY_FILE, polarity, predict, split, train_head
 
     texts, labels = polarity()
+    ours: list | np.ndarray
+    ref: list | np.ndarray
     ours, ref = [], []
     for feeds in _tokenized_chunks(backend, tokenizer, texts):
         ours.append(backend.infer(feeds)["sentence_embedding"])
@@ -452,7 +460,7 @@ class LogitsCase:
     def __init__(self, ids: np.ndarray, mask: np.ndarray, real: bool):
         self.ids, self.keep, self.real = ids, mask.astype(bool), real
         self.tally, self.agree, self.count = Tally(), 0, 0
-        self.nll = {"ref": [], "out": []}
+        self.nll: dict[str, list[np.ndarray]] = {"ref": [], "out": []}
 
     def add(self, start: int, ref: np.ndarray, out: np.ndarray) -> None:
         end = start + ref.shape[1]
@@ -533,7 +541,7 @@ def failures(report: dict, target: Target) -> list[str]:
     if ranking:
         if target.max_abs_error is not None and not ranking["max_score_error"] <= max(target.max_abs_error, 1e-4):
             out.append(f"ranking: score error {ranking['max_score_error']:.2e} > {max(target.max_abs_error, 1e-4):.0e}")
-        bound = target.min_neighbours if target.min_neighbours is not None else 0.9
+        bound: float | None = target.min_neighbours if target.min_neighbours is not None else 0.9
         if not ranking["top10_agreement"] >= bound:
             out.append(f"ranking: top-10 agreement {ranking['top10_agreement']:.2f} < {bound}")
     sentences = report.get("sentences")

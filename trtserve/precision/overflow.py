@@ -36,6 +36,7 @@ def activation_ranges(model, feeds_list) -> Ranges:
     types = {v.name: v.type.tensor_type.elem_type for v in list(graph.value_info) + list(graph.output)}
     inits = {i.name: i for i in graph.initializer}
     outputs = {v.name for v in graph.output}
+    squared: dict[str, list[str]]
     producer, op, squared = {}, {}, {}
     for i, node in enumerate(graph.node):
         name = node.name or f"{node.op_type}_{i}"

@@ -53,14 +53,17 @@ class _Graph(GraphIndex):
     """The graph's index (graph_index.GraphIndex) and what the precision passes ask of it: float tensors, and
     whether an initializer fits fp16."""
 
-    def __init__(self, model):
+    home: dict[str, int]  # tensor -> its element type, set by _decide
+    anchored: set[str]  # initializers an anchor op reads, set by _decide
+
+    def __init__(self, model) -> None:
         from onnx import TensorProto
 
         super().__init__(model.graph)
         self.g = model.graph
         self.FLOAT, self.HALF = TensorProto.FLOAT, TensorProto.FLOAT16
         self.consumers = self.readers
-        self._absmax = {}
+        self._absmax: dict[str, float] = {}
 
     def is_float(self, name: str) -> bool:
         return bool(name) and self.types.get(name) == self.FLOAT
@@ -68,6 +71,7 @@ class _Graph(GraphIndex):
     def fits(self, name: str) -> bool:
         if name not in self._absmax:
             array = self.const(name)
+            assert array is not None  # asked of initializers only
             self._absmax[name] = float(np.abs(array).max()) if array.size else 0.0
         return self._absmax[name] <= FP16_MAX
 
@@ -231,6 +235,7 @@ def emulation_model(model, policy: Policy):
 
 def _decide(index: _Graph, policy: Policy, protected: set, report: PassReport) -> dict[str, bool]:
     """Node name -> runs in the low type. Fills index.home for activations."""
+    home: dict[str, int]
     low, home = {}, {}
     anchored = set()
     for node in index.g.node:

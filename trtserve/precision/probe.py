@@ -8,6 +8,8 @@ from fp32 (cosine < 0.99).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from trtserve.graph_files import graph_on_disk
@@ -62,7 +64,7 @@ def real_vs_random(source, model, policy: Policy, tokenizer, corpus, length: int
     with graph_on_disk(emulation_model(model, policy)) as path:
         emulated = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     out_name = _output_name(source)
-    report = {}
+    report: dict[str, Any] = {}
     for kind in ("real", "random"):
         rows = _token_rows(kind, source, tokenizer, corpus, 2 * batches, length, rng)
         feeds_list = [probe_feeds(source.info.kind, rows[2 * b: 2 * b + 2], names, past) for b in range(batches)]

@@ -13,12 +13,16 @@ from __future__ import annotations
 import gc
 import hashlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trtserve.memory import return_freed_memory
 from trtserve.precision.measure import DECODE_STEPS
 from trtserve.runtime.generate import positions_from_mask
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _key(*arrays: np.ndarray) -> str:
@@ -31,10 +35,12 @@ def _key(*arrays: np.ndarray) -> str:
 class Reference:
     """`load()` gives the torch model (fp32, eval mode, eager attention)."""
 
+    _head: _KeptHead | None  # the LM head, kept while the model is released
+
     def __init__(self, load: Callable):
         self._load, self._model = load, None
         self._head, self._cap = None, None
-        self._hidden: dict[str, object] = {}  # key -> (B, S, hidden) torch tensor
+        self._hidden: dict[str, torch.Tensor] = {}  # key -> (B, S, hidden) torch tensor
         self._decoded: dict[str, tuple] = {}  # key -> (tokens (B, steps), logits (B, steps, V))
 
     @property
@@ -86,6 +92,7 @@ class Reference:
         """(B, end - start, V) reference logits at positions start..end of a prepared input."""
         hidden = self._hidden[_key(ids, mask)][:, start:end]
         if self._model is None:
+            assert self._head is not None  # kept when the model was released
             return self._head(hidden, self._cap)
         return _KeptHead(module=self._model.get_output_embeddings())(
             hidden, getattr(self._model.config, "final_logit_softcapping", None))

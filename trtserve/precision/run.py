@@ -110,6 +110,7 @@ def measure_engine(engine, source, fp32_graph: Path, target, calibration=None, h
             if name == "onnxruntime":
                 result[name] = harness.run()
             elif name == "openvino":
+                assert openvino is not None  # runs has "openvino" only then
                 result[name] = openvino_run(engine, harness, openvino)
             else:
                 result[name] = harness.emulated(onnx.load(str(fp32_graph)), policy)
@@ -135,7 +136,7 @@ def _served_openvino(engine) -> str | None:
     return entry.inference_precision
 
 
-def openvino_label(precision: str) -> str:
+def openvino_label(precision: str | None) -> str:
     return f"openvino (CPU, the portable graph computed in {precision})"
 
 

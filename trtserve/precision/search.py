@@ -38,7 +38,7 @@ class Unit:
 
 def _peaks(ranges) -> dict[str, float]:
     """Node -> the largest absolute value among its outputs on the probe."""
-    peak_of = {}
+    peak_of: dict[str, float] = {}
     for tensor, node in ranges.producer.items():
         peak_of[node] = max(peak_of.get(node, 0.0), ranges.absmax.get(tensor, 0.0))
     return peak_of
@@ -49,9 +49,11 @@ def candidate_units(model, ranges, flagged_nodes: dict[str, float]) -> list[Unit
 
     name_nodes(model.graph)
     peak_of = _peaks(ranges)
+    units: list[Unit]
+    taken: set[str]
     units, taken = [], set()
 
-    def add(label: str, nodes: set, klass: int):
+    def add(label: str, nodes: set | frozenset, klass: int):
         nodes = frozenset(nodes) - taken
         if not nodes:
             return

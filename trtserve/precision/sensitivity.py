@@ -56,7 +56,7 @@ class _Reference:
 
         self.model, self.kind = model, kind
         self.ids = torch.tensor(rows, dtype=torch.int64)
-        self.originals = {}
+        self.originals: dict[str, tuple] = {}  # key -> (its module's name, the module, ...)
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and weight is not None and weight.ndim == 2:
@@ -204,14 +204,14 @@ def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, 
 
 def mixed(low: dict, sensitivity: dict, kept: int) -> dict:
     """The formats `low` with the `kept` most sensitive weights one step safer (int4 -> int8 -> fp32)."""
-    safer = set(sorted(sensitivity, key=sensitivity.get, reverse=True)[:kept])
+    safer = set(sorted(sensitivity, key=sensitivity.__getitem__, reverse=True)[:kept])
     return {k: (SAFER[f] if k in safer and f != "fp32" else f) for k, f in low.items()}
 
 
 def widened(choice: Choice, kept: int) -> Choice:
     """`choice` with its `kept` most sensitive weights one step safer (`kept` >= choice.kept): the weights
     ranked after the choice's own kept ones still hold their starting format, so each moves one step."""
-    ranked = sorted(choice.sensitivity, key=choice.sensitivity.get, reverse=True)
+    ranked = sorted(choice.sensitivity, key=choice.sensitivity.__getitem__, reverse=True)
     formats = dict(choice.formats)
     for key in ranked[choice.kept:kept]:
         if formats.get(key, "fp32") != "fp32":

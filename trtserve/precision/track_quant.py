@@ -35,7 +35,7 @@ class TrackReference:
         self.model = model
         ids = torch.tensor(rows, dtype=torch.int64)
         self.ids = {False: ids, True: ids[:RANKING_ROWS, :RANKING_LENGTH]}
-        self.originals = {}
+        self.originals: dict[str, tuple] = {}
         for index, layer in enumerate(model.layers):
             for name, stacked in layer.named_parameters():
                 if stacked.ndim == 3:  # a projection per track [tracks, out, in]

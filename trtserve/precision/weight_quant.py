@@ -38,6 +38,7 @@ def quantize_rows(rows: np.ndarray, fmt: str, name: str = "", block: int = BLOCK
         if fmt == "int8":
             q[part], scale[part] = _int8(blocked)
         else:
+            assert minimum is not None
             q[part], scale[part], minimum[part] = _int4(blocked)
     return Blocks(name, fmt, q, scale, minimum)
 

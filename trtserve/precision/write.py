@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trtserve.errors import TrtServeError
 from trtserve.fileio import cache_root, sha256_file
@@ -27,8 +28,13 @@ from trtserve.precision.measure import Target
 from trtserve.precision.policy import POLICIES, get_policy
 from trtserve.progress import say, step
 
+if TYPE_CHECKING:
+    from trtserve.models.sources import ModelSource
+
 TRACK_PRECISIONS = ("fp32", "fp16", "hybrid", "int8", "int4")  # of POLICIES, what a track engine takes
-TRACK_PLANS = (("every quantized GEMM", frozenset({"*"})), ("none", frozenset()))  # int8 activations of track engines
+# int8 activations of track engines
+TRACK_PLANS: tuple[tuple[str, frozenset[str]], ...] = (("every quantized GEMM", frozenset({"*"})),
+                                                       ("none", frozenset()))
 
 
 def check_precision(name: str, source=None, tracks: bool = False) -> None:
@@ -56,7 +62,7 @@ class Gate:
 
     fp32_graph: Path  # the fp32 export
     out: Path  # where the portable graph is written
-    source: object  # models.sources.ModelSource
+    source: ModelSource
     harness: object  # run.Harness: the reference model and text, loaded once
     target: Target
     lower: Callable  # (portable graph, int8-activation GEMMs or None, GEMMs with the residual) -> backend entry
@@ -76,7 +82,8 @@ def write_precision(name: str, gate: Gate) -> dict:
         with step("auto precision: overflow probe and search under fp16 emulation"):
             policy, search_record = search(onnx.load(str(gate.fp32_graph)), gate.harness)
     strategy = _strategy(policy, gate)
-    state = {"written": None, "digest": None, "measured": None}  # the graph on disk, and the last one measured
+    # the graph on disk, and the last one measured
+    state: dict[str, object] = {"written": None, "digest": None, "measured": None}
 
     def attempt(plan, kept, number: int):
         keep = strategy.keep(plan)
@@ -122,7 +129,7 @@ def first_passing(plans: list, widenings: Callable, attempt: Callable, measure: 
     passed, or of the last one tried; `missed` gets the tries that missed, as the manifest records them."""
     from trtserve.precision.run import summary
 
-    report = None
+    report: dict | None = None
     for plan in plans:
         counts = widenings(plan)
         last_plan = plan is plans[-1]
@@ -142,6 +149,7 @@ def first_passing(plans: list, widenings: Callable, attempt: Callable, measure: 
                            **({"kept_safer": kept} if measured else {})})
             say(f"int8 activations in {plan.label}" + (f" with the {kept} most sensitive weights kept safer"
                                                        if measured else "") + f" miss the target: {summary(report)}")
+    assert report is not None  # the last plan is never screened out: its first try is measured
     return report
 
 
@@ -164,6 +172,8 @@ class _Strategy:
     and the rewrite of the fp32 export into `gate.out`."""
 
     measured = False  # each weight's format chosen here by measurement (so it can be widened)
+    graph_report: dict | None  # what the last `write` reported
+    plans: list  # the int8-activation plans (activations.Plan; None: the one plan without them)
 
     def __init__(self, policy, gate: Gate):
         self.policy, self.gate, self.graph_report = policy, gate, None
@@ -214,6 +224,21 @@ class _Blocked(_Strategy):
         self.plans = plans(load_graph(gate.fp32_graph, weights=False))  # by structure
         self.blocks = self.choose()  # once, for every plan
 
+    def choose(self):
+        """The blocks the weights are written in, chosen once for every plan."""
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def rewrite(self, model, keep, kept, base):
+        """(the graph with the plan's weights written in, its report)."""
+        raise NotImplementedError
+
+    def summary(self, report, formats) -> str:
+        raise NotImplementedError
+
     def write(self, keep, kept) -> dict:
         import onnx
 
@@ -243,6 +268,7 @@ class _Gguf(_Blocked):
 
     @property
     def label(self) -> str:
+        assert self.gate.source.gguf is not None  # a GGUF checkpoint's
         return f"carrying the blocks of {self.gate.source.gguf.name} into the graph"
 
     def rewrite(self, model, keep, kept, base):
@@ -361,6 +387,8 @@ def write_track_precision(name: str, model, chosen: tuple, write_graphs: Callabl
 
     choice, low, target = chosen
     plans = [Plan(label, int8) for label, int8 in TRACK_PLANS]
+    missed: list[dict]
+    last: dict[str, object]
     weights, missed, last = {}, [], {}
 
     def attempt(plan, kept, number):
@@ -387,7 +415,7 @@ def write_track_precision(name: str, model, chosen: tuple, write_graphs: Callabl
 
 def _format_counts(formats: list, weights: dict) -> dict:
     """How many weights (GEMMs and tables, over every graph) have each format, fp32 ones included."""
-    counts = {}
+    counts: dict[str, int] = {}
     for fmt in formats + ["fp32"] * sum(len(graph["fp32"]) for graph in weights.values()):
         counts[fmt] = counts.get(fmt, 0) + 1
     return counts

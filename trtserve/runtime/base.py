@@ -5,21 +5,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from trtserve.errors import InputError, TrtServeError
+
+if TYPE_CHECKING:
+    from trtserve.engine_dir import EngineDir
+    from trtserve.engine_dir.manifest import Manifest, Range, Shapes, Tensor
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     dtype: str  # numpy dtype name: "int64", "float32", ...
-    shape: tuple  # ints for fixed axes, names ("batch", "sequence", ...) for dynamic ones
+    shape: tuple[int | str, ...]  # ints for fixed axes, names ("batch", "sequence", ...) for dynamic ones
 
     @classmethod
-    def of(cls, tensor) -> TensorSpec:
+    def of(cls, tensor: Tensor) -> TensorSpec:
         """From the manifest's io entry (engine_dir.manifest.Tensor)."""
         return cls(tensor.name, tensor.dtype, tuple(tensor.shape))
 
@@ -36,6 +40,7 @@ class Abilities:
 
 class Backend(Protocol):
     name: str
+    engine: EngineDir
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     abilities: Abilities
@@ -45,18 +50,28 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+class SlotBackend(Backend, Protocol):
+    """A backend whose abilities include `kv_slots`."""
+
+    def kv_slots(self, slots: int) -> Any:
+        """Its sequence slots, at most `slots` (runtime.kv_slots.KVSlots, a track engine's TrackSlots)."""
+
+
 def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def io_specs(manifest) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def io_specs(manifest: Manifest) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     io = manifest.io
+    assert io is not None
     return tuple(map(TensorSpec.of, io.inputs)), tuple(map(TensorSpec.of, io.outputs))
 
 
-def check_feeds(feeds: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...], shapes) -> dict[str, int]:
+def check_feeds(feeds: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...],
+                shapes: Shapes | None) -> dict[str, int]:
     """Check names, dtypes, ranks and axis ranges (the manifest's `shapes`); return the value bound to each
     named axis."""
+    assert shapes is not None
     ranges = shapes.axes()
     expected = {spec.name for spec in specs}
     missing, extra = expected - set(feeds), set(feeds) - expected
@@ -80,7 +95,7 @@ def check_feeds(feeds: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...], 
     return bound
 
 
-def _bind_axis(name: str, axis, size: int, bound: dict, ranges: dict) -> None:
+def _bind_axis(name: str, axis: int | str, size: int, bound: dict[str, int], ranges: dict[str, Range]) -> None:
     if isinstance(axis, int):
         if size != axis:
             raise InputError(f"input {name} has size {size} on an axis fixed at {axis}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -66,11 +67,13 @@ class ContinuousBatcher:
         """`max_batched_tokens`: padded prompt tokens admitted into one prefill; `max_prefill_tokens`:
         padded tokens fed per step (a chunk: newcomers x columns; None: the whole prefill in one call)."""
         manifest = backend.engine.manifest
+        assert manifest.shapes is not None and manifest.shapes.total_sequence is not None  # a decoder's
         self._setup(backend, eos_ids, min(max_num_seqs, manifest.shapes.batch.max), max_batched_tokens, pad_id,
                     max_prefill_tokens, manifest.shapes.total_sequence.max, manifest.model.architecture.vocab_size)
         self.names = past_names(backend)
         specs = {spec.name: spec for spec in backend.inputs}
-        self.kv_shape = {n: (specs[n].shape[1], specs[n].shape[3]) for n in self.names}  # (Hkv, D)
+        # (Hkv, D): fixed axes of the past inputs
+        self.kv_shape = {n: cast("tuple[int, int]", (specs[n].shape[1], specs[n].shape[3])) for n in self.names}
 
     def _setup(self, backend: Backend, eos_ids: set[int], max_num_seqs: int, max_batched_tokens: int, pad_id: int,
                max_prefill_tokens: int | None, max_seq: int, vocab: int) -> None:
@@ -183,6 +186,7 @@ class ContinuousBatcher:
         """Feed the next chunk of the newcomers' prompts; after the last, merge them into the batch and
         choose their first tokens."""
         p = self.prefill
+        assert p is not None
         rows, longest = p.ids.shape
         budget = self.max_prefill_tokens or rows * longest
         end = min(longest, p.fed + max(1, budget // rows))
@@ -274,6 +278,7 @@ class ContinuousBatcher:
         if not keep:
             self.batch = _Batch()
             return
+        assert b.mask is not None
         b.mask = b.mask[keep]
         first = int(np.argmax(b.mask.any(axis=0)))
         b.mask = b.mask[:, first:]
@@ -284,9 +289,11 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
     """One batch from two, left-padding the shorter cache."""
     if not a.seqs:
         return b
+    assert a.mask is not None and b.mask is not None
     width = max(a.mask.shape[1], b.mask.shape[1])
 
     def pad(batch: _Batch) -> tuple[np.ndarray, dict]:
+        assert batch.mask is not None
         extra = width - batch.mask.shape[1]
         mask = np.pad(batch.mask, ((0, 0), (extra, 0)))
         past = {n: np.pad(v, ((0, 0), (0, 0), (extra, 0), (0, 0))) for n, v in batch.past.items()}

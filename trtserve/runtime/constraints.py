@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from llguidance import GrammarFormat, LLMatcher
 
 KINDS = ("json_schema", "regex", "choice", "grammar")  # grammar: Lark or GBNF
 MAX_GRAMMAR_CHARS = 200_000  # a compiled grammar this long costs about a second per matcher built
@@ -31,7 +35,7 @@ def compile_grammar(kind: str, value, whitespace: str | None = None, closed: boo
         value = bounded_schema(value, whitespace, closed)
     text = json.dumps(value) if kind in ("json_schema", "choice") else value
     try:
-        grammar = llguidance.grammar_from(kind, text)
+        grammar = llguidance.grammar_from(cast("GrammarFormat", kind), text)  # one of KINDS
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # its Rust panics arrive as a BaseException
@@ -149,7 +153,7 @@ class Constraints:
     def __init__(self, tokenizer, vocab: int, eos_ids):
         self.tokenizer, self.vocab, self.eos_ids = tokenizer, vocab, set(eos_ids)
         self._lltokenizer = None
-        self._templates: OrderedDict[str, object] = OrderedDict()
+        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
 
     @property
     def lltokenizer(self):

@@ -31,11 +31,12 @@ class Event:
     id: str
     token: int
     logprob: float | None = None
-    top_logprobs: list | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob) of the likeliest, likeliest first
     finish: FinishReason | None = None
     error: str | None = None  # what failed, for people
     failure: Failure | None = None  # set with `error`
-    prompt_logprobs: list | None = None  # on the first event, when the sequence asked for them
+    # (token, logprob, top_logprobs) of each prompt token, on the first event when the sequence asked for them
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
 
     @property
     def ended(self) -> bool:

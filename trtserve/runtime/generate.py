@@ -49,6 +49,7 @@ def start(backend: Backend, batch: int) -> DecodeState:
     past = {}
     for name in past_names(backend):
         _, heads, _, dim = specs[name].shape  # (B, Hkv, P, D)
+        assert isinstance(heads, int) and isinstance(dim, int)  # fixed axes
         past[name] = np.zeros((batch, heads, 0, dim), dtype=np.dtype(specs[name].dtype))
     return DecodeState(mask=np.zeros((batch, 0), dtype=np.int64), past=past)
 

@@ -147,9 +147,11 @@ class KVSlots:
         out = None
         for r in np.flatnonzero(counts):
             n = int(counts[r])
-            logits = self.run(first + r, ids[r:r + 1, :n], counts[r:r + 1], np.minimum(logit_index[r:r + 1], n - 1))
+            logits = self.run(first + int(r), ids[r:r + 1, :n], counts[r:r + 1],
+                              np.minimum(logit_index[r:r + 1], n - 1))
             out = np.zeros((len(ids), *logits.shape[1:]), logits.dtype) if out is None else out
             out[r] = logits[0]
+        assert out is not None  # the batcher never calls with every row idle
         return out
 
     def move(self, source: int, target: int) -> None:

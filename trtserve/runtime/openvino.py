@@ -85,6 +85,7 @@ class OpenVinoBackend:
         self.ranges = engine.manifest.shapes
         self.threads = threads or available_cores()
         self.precision = precision
+        assert engine.manifest.onnx is not None
         self._compiled = compile_graph(ov.Core(), engine.file(engine.manifest.onnx.file), precision, self.threads)
         self._request = self._compiled.create_infer_request()
         self._lock = threading.Lock()  # one infer request: calls take turns

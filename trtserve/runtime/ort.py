@@ -38,7 +38,7 @@ class OrtBackend:
                                                                                           platform.machine())
         if graph is not None:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        elif same_build and entry.name == "onnxruntime":
+        elif same_build and entry is not None and entry.name == "onnxruntime":
             # Already optimized at build time by this ORT version: skip the work at load.
             graph = engine.file(entry.graph)
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -51,6 +51,7 @@ class OrtBackend:
                 engine.path, entry and entry.onnxruntime_version, entry and entry.machine, ort.__version__,
                 platform.machine(), engine.rebuild,
             )
+            assert engine.manifest.onnx is not None
             graph = engine.file(engine.manifest.onnx.file)
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.threads = options.intra_op_num_threads
@@ -73,10 +74,11 @@ class OrtBackend:
 
         if not self.kv_graph:
             return None
-        slots = KVSlots(self.engine, min(slots, self.engine.manifest.shapes.batch.max), self.threads,
-                        session=self._kv_session)
-        self._kv_session = slots.session  # loaded once; each batcher gets buffers of its own
-        return slots
+        assert self.engine.manifest.shapes is not None
+        kv = KVSlots(self.engine, min(slots, self.engine.manifest.shapes.batch.max), self.threads,
+                     session=self._kv_session)
+        self._kv_session = kv.session  # loaded once; each batcher gets buffers of its own
+        return kv
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         check_feeds(feeds, self.inputs, self.ranges)

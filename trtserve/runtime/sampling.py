@@ -10,6 +10,7 @@ sequence, never its neighbours."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import overload
 
 import numpy as np
 
@@ -75,15 +76,16 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
-def prompt_logprobs(prompt: list[int], logits: np.ndarray, top: int) -> list[tuple]:
+def prompt_logprobs(prompt: list[int], logits: np.ndarray,
+                    top: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
     """(token, logprob, top logprobs) of every prompt token under the (S, V) logits of the prompt's
     own positions: token i is scored by position i - 1; the first has no logprob (None, None)."""
     logp = log_softmax(logits[:-1].astype(np.float32))  # (S-1, V)
     if not np.isfinite(logp.max(axis=-1)).all() or np.isnan(logp).any():
         raise SamplingError("the model's logits for this prompt are not finite numbers (NaN or inf)")
-    rows = [(prompt[0], None, None)]
+    rows: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(prompt[0], None, None)]
     for i, token in enumerate(prompt[1:]):
-        best = np.argsort(-logp[i])[:top] if top else []
+        best: np.ndarray | list[int] = np.argsort(-logp[i])[:top] if top else []
         rows.append((int(token), float(logp[i, token]), [(int(t), float(logp[i, t])) for t in best]))
     return rows
 
@@ -169,9 +171,9 @@ class Sampler:
         if p.logprobs is None:
             return token, None, None
         logp = log_softmax(logits)
-        top = np.argsort(-logp)[: p.logprobs] if p.logprobs else []
+        best: np.ndarray | list[int] = np.argsort(-logp)[: p.logprobs] if p.logprobs else []
         # under a grammar, tokens it rules out are -inf: not alternatives, and not JSON numbers
-        return token, float(logp[token]), [(int(t), float(logp[t])) for t in top if np.isfinite(logp[t])]
+        return token, float(logp[token]), [(int(t), float(logp[t])) for t in best if np.isfinite(logp[t])]
 
     def _sample(self, logits: np.ndarray) -> int:
         """A token from softmax(logits) after the cuts asked for (top-k, min-p, top-p, in that order; each keeps
@@ -211,6 +213,12 @@ class Sampler:
         if i == WHOLE_BLOCK:
             i = int(np.flatnonzero(blocks[b])[-1])
         return b * WHOLE_BLOCK + i
+
+    @overload
+    def _draw(self, logits: np.ndarray, order: np.ndarray, total: None = None) -> int: ...
+
+    @overload
+    def _draw(self, logits: np.ndarray, order: np.ndarray, total: float) -> int | None: ...
 
     def _draw(self, logits: np.ndarray, order: np.ndarray, total: float | None = None) -> int | None:
         """Draw from the tokens in `order` (falling probability). `total`: the whole vocabulary's mass where

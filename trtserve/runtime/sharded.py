@@ -136,6 +136,7 @@ class _EngineShard:
         from trtserve.runtime.track_engines import TrackEngines
 
         engine = open_engine_dir(path)
+        assert engine.manifest.parallel_tracks is not None
         tracks = engine.manifest.parallel_tracks.tracks
         per = tracks // world
         self.engines = TrackEngines(engine.path, engine.manifest, range(rank * per, (rank + 1) * per), threads)

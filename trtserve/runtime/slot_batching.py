@@ -11,9 +11,11 @@ else's). Scheduling of the waiting queue, sampling and finish rules are the Cont
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
-from trtserve.runtime.base import Backend, BackendLost
+from trtserve.runtime.base import Backend, BackendLost, SlotBackend
 from trtserve.runtime.batching import ContinuousBatcher, Sequence
 from trtserve.runtime.events import Event, failed
 
@@ -23,12 +25,13 @@ def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, ma
     """The slot batcher where the backend has sequence slots (a decode graph, a track engine's ranks), else
     the padded one."""
     if backend.abilities.kv_slots:
-        return SlotBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
+        return SlotBatcher(cast(SlotBackend, backend), eos_ids, max_num_seqs, max_batched_tokens, pad_id,
+                           max_prefill_tokens)
     return ContinuousBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
 
 
 class SlotBatcher(ContinuousBatcher):
-    def __init__(self, backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
+    def __init__(self, backend: SlotBackend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
                  pad_id: int = 0, max_prefill_tokens: int | None = None):
         self.slots = backend.kv_slots(max_num_seqs)  # at most that many: the backend knows its engine's limits
         self._setup(backend, eos_ids, self.slots.slots, max_batched_tokens, pad_id, max_prefill_tokens,

@@ -162,6 +162,7 @@ class TextEngine:
             )
         ids = np.array(rows, dtype=np.int64)
         tokens, _ = generate.greedy(self.backend, ids, np.ones_like(ids), max_new_tokens)
+        out: list[int]
         params, out = SamplingParams(max_tokens=max_new_tokens, temperature=0), []
         for token in tokens[0].tolist():
             finish = finish_reason(token, params, self.eos_ids, len(out) + 1, longest + len(out) + 1, self.max_seq)

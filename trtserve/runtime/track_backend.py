@@ -22,7 +22,7 @@ import numpy as np
 from trtserve.errors import InputError, TrtServeError
 from trtserve.runtime.base import Abilities, BackendLost
 from trtserve.runtime.kv_slots import checked_lengths
-from trtserve.runtime.sharded import ReadSlot, ResetSlots, RunSlots, WriteSlot
+from trtserve.runtime.sharded import ReadSlot, ResetSlots, RunSlots, ShardedDecoder, WriteSlot
 
 
 class TrackBackend:
@@ -50,7 +50,7 @@ class TrackBackend:
         self.to_compact[self.known_ids] = np.flatnonzero(self.known)
         self.names = [f"{t}:{name.removeprefix('past_')}" for t, graphs in enumerate(pt.segment_graphs)
                       for graph in graphs for name in pt.graphs[graph].inputs[1:]]
-        self.decoder = None
+        self.decoder: ShardedDecoder | None = None
         self.keys = itertools.count()  # cache keys, never reused while the ranks live
         self._starting = threading.Lock()  # one start of the ranks at a time (an in-process loop and its successor)
 
@@ -73,9 +73,9 @@ class TrackBackend:
 
     def kv_slots(self, slots: int) -> TrackSlots:
         """Slots for a new batcher: the ranks' caches of any batcher before are dropped."""
-        slots = TrackSlots(self, self.ranks(), slots)
-        slots._call(ResetSlots())
-        return slots
+        kv = TrackSlots(self, self.ranks(), slots)
+        kv._call(ResetSlots())
+        return kv
 
     def infer(self, feeds):
         raise InputError("a track-sharded engine runs sequences through its slots (kv_slots), not whole batches")
@@ -89,7 +89,7 @@ class TrackBackend:
 class TrackSlots:
     """Sequence slots over the ranks of one TrackBackend: the interface of runtime.kv_slots.KVSlots."""
 
-    def __init__(self, backend: TrackBackend, decoder, slots: int):
+    def __init__(self, backend: TrackBackend, decoder: ShardedDecoder, slots: int):
         self.backend, self.decoder, self.slots = backend, decoder, slots
         self.capacity = backend.engine.manifest.model.architecture.max_positions
         self.vocab, self.names = backend.vocab, backend.names
@@ -112,8 +112,8 @@ class TrackSlots:
         every = logit_index.shape[1] > 1
         out = np.full((rows, logit_index.shape[1], self.vocab), -np.inf, np.float32)
         groups: dict[tuple[int, int], list[int]] = {}
-        for r in np.flatnonzero(counts):  # rows that can share a call: same cached and new token counts
-            groups.setdefault((int(before[r]), int(counts[r])), []).append(int(r))
+        for row in np.flatnonzero(counts):  # rows that can share a call: same cached and new token counts
+            groups.setdefault((int(before[row]), int(counts[row])), []).append(int(row))
         for (_, n), members in groups.items():
             keys = [self.keys[first + r] for r in members]
             compact = self.backend.to_compact[ids[members, :n]]

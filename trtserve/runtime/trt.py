@@ -9,6 +9,7 @@ sees it (trt_plan.check_loadable)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from trtserve.engine_dir import EngineDir
 from trtserve.errors import EngineDirError
 from trtserve.runtime.base import Abilities, check_feeds, io_specs
 from trtserve.runtime.trt_plan import buffer_plan, check_loadable, select_profile
+
+if TYPE_CHECKING:
+    import torch
 
 TORCH_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "int64": "int64",
                "int32": "int32", "bool": "bool"}
@@ -61,7 +65,7 @@ class TrtBackend:
         self.host_buffers = {name: torch.empty(max(n, 1), dtype=getattr(torch, TORCH_DTYPE[dtype]), pin_memory=True)
                              for name, (dtype, n) in sizes.items()}
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[tuple, object] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.stream.synchronize()
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

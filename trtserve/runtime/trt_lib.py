@@ -40,8 +40,8 @@ def flavour_of(trt: ModuleType) -> str:
 def logger(trt: ModuleType, keep_verbose: bool = False):
     """An ILogger that keeps messages (for error reports and the build log) instead of printing them."""
 
-    class Logger(trt.ILogger):
-        def __init__(self):
+    class Logger(trt.ILogger):  # type: ignore[name-defined]  # a base class from the module passed in
+        def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.messages: list[tuple[str, str]] = []
 

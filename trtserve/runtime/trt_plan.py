@@ -29,7 +29,7 @@ def refuse_reason(entry, flavour: str | None, version: str | None, devices: list
     target = entry.compute_capability
     have = [d["compute_capability"] for d in devices]
     if target.startswith("portable"):
-        allowed = RTX_COMPUTE_CAPABILITIES
+        allowed: tuple[str, ...] = RTX_COMPUTE_CAPABILITIES
     elif target.startswith("hardware compatibility ampere_plus"):
         allowed = tuple(cc for cc in have if _version_tuple(cc) >= (8, 0))
     elif target.startswith("sm"):

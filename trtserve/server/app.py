@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from trtserve.server.config import ServerConfig
@@ -77,7 +78,7 @@ def build_app(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = 
     return app
 
 
-def _explain(errors: list[dict]) -> tuple[str | None, str]:
+def _explain(errors: Sequence[dict]) -> tuple[str | None, str]:
     """(field path, message) of pydantic's errors: of a union's branches, the one that got deepest
     into the value; where they all stop at the same place, what each branch expected."""
     if not errors:
@@ -196,4 +197,5 @@ def serve(cfg: ServerConfig, engines: list[tuple[str | None, str]] | None = None
                           log_level=cfg.log_level, access_log=not cfg.disable_uvicorn_access_log,
                           root_path=cfg.root_path or "",
                           ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
-                          timeout_graceful_shutdown=cfg.drain_timeout)).run()
+                          # uvicorn annotates an int but passes it to asyncio.wait_for: a float works
+                          timeout_graceful_shutdown=cfg.drain_timeout)).run()  # type: ignore[arg-type]

@@ -170,7 +170,8 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
     shape = _Shape(service, chat, model)
     tokens, started = 0, set()
     offsets = [len(job.echo) for job in jobs]
-    held = {i: ["", [], []] for i, job in enumerate(jobs) if job.tools is not None}  # tools: text, logprobs, ids
+    # tools: text, logprobs, ids
+    held: dict[int, list] = {i: ["", [], []] for i, job in enumerate(jobs) if job.tools is not None}
     try:
         for index, job in enumerate(jobs):  # the first chunk of each choice: the role, or the echoed prompt
             if chat or (job.echo and job.params.prompt_logprobs is None):
@@ -187,7 +188,8 @@ async def stream(service: GenerationService, jobs: list[Job], submission: Submis
                 held[index][1] += piece.logprobs
                 held[index][2] += piece.tokens
                 if piece.finish:
-                    for event in _held_answer(shape, index, *held[index], piece.finish, jobs[index]):
+                    text, entries, ids = held[index]
+                    for event in _held_answer(shape, index, text, entries, ids, piece.finish, jobs[index]):
                         yield event
                 continue
             if not piece.text and not piece.finish and not piece.logprobs:
@@ -223,6 +225,7 @@ def _held_answer(shape: _Shape, index: int, text: str, entries: list, ids: list[
         yield _event(shape.envelope([ChatChunkChoice(index=index, delta=ChatDelta(content=content), logprobs=None,
                                                      finish_reason=None)], None, True))
     delta = ChatDelta(tool_calls=[ToolCallDelta(index=k, **call) for k, call in enumerate(calls)])
+    assert logprobs is None or isinstance(logprobs, ChatLogprobs)  # a chat answer's
     yield _event(shape.envelope([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None)],
                                 None, True))
     yield _event(shape.envelope([ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=None,

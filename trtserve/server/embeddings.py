@@ -30,6 +30,7 @@ class EmbeddingService(Service):
         self.normalizes = pooling.normalize if pooling else True
         self.prompts = dict(pooling.prompts) if pooling else {}
         self.default_prompt = pooling.default_prompt_name if pooling else None
+        assert self.manifest.shapes is not None
         self.max_seq = self.manifest.shapes.sequence.max
         self.pool = self.worker_pool()
         engine_max = self.manifest.shapes.batch.max
@@ -66,7 +67,7 @@ class EmbeddingService(Service):
         if request.dimensions is not None and request.dimensions > self.dim:
             raise BadRequest(f"`dimensions` {request.dimensions} is above `{self.model_id}`'s {self.dim}: give at most "
                              f"{self.dim} (the first `dimensions` values are kept)", param="dimensions")
-        items = request.input
+        items: str | list[str] | list[int] | list[list[int]] | list[str | list[int]] = request.input
         if isinstance(items, str) or (isinstance(items, list) and items and isinstance(items[0], int)):
             items = [items]
         if not items:

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from trtserve.runtime.events import Event, Failure, FinishReason
 from trtserve.runtime.generation_defaults import RANGES, generation_defaults
@@ -19,6 +20,9 @@ from trtserve.server.errors import BadRequest, Overloaded, ServingError, Unavail
 from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from trtserve.server.service import Service
 from trtserve.server.tool_parsers import parser_for
+
+if TYPE_CHECKING:
+    from trtserve.server.tools import ToolPlan
 
 log = logging.getLogger("trtserve.server")
 PROBE_TIMEOUT = 30.0
@@ -44,7 +48,7 @@ class Job:
     params: SamplingParams
     stop: list[str]
     echo: str = ""
-    tools: object = None  # server/tools.ToolPlan: the answer may be a tool call
+    tools: ToolPlan | None = None  # the answer may be a tool call
 
 
 class Submission:
@@ -89,7 +93,7 @@ class DecoderService(Service):
             self._lltokenizer = grammar_tokenizer(self.tokenizer, self.vocab, self.special.eos_ids)
         return self._lltokenizer
 
-    async def grammar(self, request, tool_spec=None) -> str | None:
+    async def grammar(self, request, tool_spec: tuple[str, object, str] | None = None) -> str | None:
         """The grammar a request's structured output (or forced tool call) compiles to, or None (400
         for a bad one)."""
         from trtserve.server.structured import compile_for, json_options, requested
@@ -115,7 +119,7 @@ class DecoderService(Service):
     # -- requests to jobs -----------------------------------------------------------------------
     async def completion_jobs(self, request: CompletionRequest) -> list[Job]:
         self.check_model(request.model)
-        prompts = request.prompt
+        prompts: str | list[str] | list[int] | list[list[int]] | list[str | list[int]] = request.prompt
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -127,7 +131,7 @@ class DecoderService(Service):
         encoded = iter(await asyncio.to_thread(token_ids, self.tokenizer, texts, special) if texts else [])
         jobs = []
         for prompt in prompts:
-            ids = next(encoded) if isinstance(prompt, str) else list(prompt)
+            ids = next(encoded) if isinstance(prompt, str) else list(cast("list[int]", prompt))  # no bare ints now
             if not ids:
                 raise BadRequest("`prompt` has no tokens: give some text", param="prompt")
             if any(not 0 <= t < self.vocab for t in ids):
@@ -230,6 +234,7 @@ class DecoderService(Service):
         """Pieces from a sequence's events (runtime.events.Event)."""
         from tokenizers.decoders import DecodeStream
 
+        ids: list[int]
         ids, logprobs, sent, done, tokens_sent, scored = [], [], "", False, 0, None
         decoder, text = DecodeStream(skip_special_tokens=True), ""  # incremental: O(1) per token
         started = last = time.perf_counter()
@@ -277,6 +282,7 @@ class GenerationService(DecoderService):
         tracks = self.manifest.parallel_tracks
         self.max_running = cfg.max_num_seqs  # a worker's batcher runs at most the engine's batch limit
         if tracks is None:
+            assert self.manifest.shapes is not None and self.manifest.shapes.total_sequence is not None  # a decoder's
             self.max_running = min(cfg.max_num_seqs, self.manifest.shapes.batch.max)
             self.max_seq = self.manifest.shapes.total_sequence.max
             self.vocab = self.manifest.model.architecture.vocab_size

@@ -16,6 +16,7 @@ import logging
 import queue as queue_module
 import threading
 import time
+from collections.abc import Callable
 
 from trtserve.runtime.base import BackendLost
 from trtserve.runtime.events import Event, Failure, failed, lost
@@ -128,8 +129,8 @@ class GenerationChannel:
         self.tokens: dict[str, int] = {}  # prompt tokens of every open sequence, for admission
         self.closed = False
         self.running = self.waiting = 0  # as the worker reported after its last step
-        self.on_prefix = None  # called with the prompt tokens the worker looked up in its prefix cache, and found
-        # there, since its last step
+        # called with the prompt tokens the worker looked up in its prefix cache, and found there, since its last step
+        self.on_prefix: Callable[[int, int], None] | None = None
         self.progress = time.monotonic()
         self._outbox: queue_module.SimpleQueue = queue_module.SimpleQueue()
         threading.Thread(target=self._write, name="trtserve-generation-writer", daemon=True).start()

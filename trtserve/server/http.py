@@ -9,10 +9,15 @@ import asyncio
 import hmac
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import ServingError, Unavailable
 from trtserve.server.protocol import ErrorBody, ErrorResponse
+
+if TYPE_CHECKING:
+    from trtserve.server.metrics import Metrics
+    from trtserve.server.registry import Registry
 
 log = logging.getLogger("trtserve.server")
 PROBE_EVERY = 5.0  # seconds between health probes of every engine; /health fails after three missed
@@ -26,8 +31,8 @@ class Serving:
     None until the lifespan has started them)."""
 
     cfg: ServerConfig
-    metrics: object
-    registry: object = None
+    metrics: Metrics
+    registry: Registry | None = None
 
     def engines(self):
         if self.registry is None:

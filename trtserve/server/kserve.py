@@ -336,7 +336,8 @@ def response(name: str, request_id: str | None, tensors: dict[str, np.ndarray],
     outputs, blobs = [], []
     for output, binary in wanted:
         tensor = np.ascontiguousarray(tensors[output], dtype=tensors[output].dtype.newbyteorder("<"))
-        entry = {"name": output, "datatype": V2_NAMES[tensor.dtype.name], "shape": list(tensor.shape)}
+        entry: dict[str, object] = {"name": output, "datatype": V2_NAMES[tensor.dtype.name],
+                                    "shape": list(tensor.shape)}
         if binary:
             blob = tensor.tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import cast
 
 import numpy as np
 
@@ -90,7 +91,9 @@ class ScoreService(EmbeddingService):
             raise BadRequest(f"`{other}` belongs to the {'Cohere/Jina' if tei else 'TEI'} body; with `"
                              f"{'texts' if tei else 'documents'}` use `{'return_text' if tei else 'return_documents'}`",
                              param=other)
-        texts = request.texts if tei else [d.text if isinstance(d, Document) else d for d in request.documents]
+        documents = cast("list[str | Document]", request.documents)  # given where texts are not (checked above)
+        texts = request.texts if tei else [d.text if isinstance(d, Document) else d for d in documents]
+        assert texts is not None
         field = "texts" if tei else "documents"
         rows = await asyncio.to_thread(self.pairs, [request.query], texts, request.truncate, field, "query")
         scores = await self.scores(rows, raw=request.raw_scores)

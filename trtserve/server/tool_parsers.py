@@ -102,6 +102,7 @@ def _mistral(text: str):
         return None
     content, rest = text[:start].strip(), text[start:]
     if "[ARGS]" in rest:  # [TOOL_CALLS]name[ARGS]{...}, once per call
+        calls: list | None
         calls = []
         for part in rest.split("[TOOL_CALLS]")[1:]:
             name, _, arguments = part.partition("[ARGS]")

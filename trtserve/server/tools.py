@@ -19,7 +19,9 @@ import re
 import secrets
 import string
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from trtserve.server.errors import BadRequest
 from trtserve.server.protocol import content_text
@@ -157,6 +159,7 @@ def read_answer(tool_plan: ToolPlan, text: str, raw: str | None = None) -> tuple
     answer decoded with its special tokens (Mistral's `[TOOL_CALLS]` is one), for the `auto` parsers."""
     from trtserve.server.tool_parsers import parse
 
+    calls: Sequence[tuple[str | None, Any]]  # arguments not yet checked to be an object where grammar-constrained
     if tool_plan.mode == "auto":
         found = parse(tool_plan.parser, raw if raw is not None else text, tool_plan.tools)
         if found is None:

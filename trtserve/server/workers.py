@@ -21,12 +21,19 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from trtserve.runtime.events import Failure
 from trtserve.runtime.heartbeat import new_heartbeat, silent_for, start_beating
 from trtserve.server.errors import ServingError, Unavailable
 from trtserve.server.messages import Embedded, EmbedFailed, EmbedRows, StopWorker, WorkerFailed, WorkerReady
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from trtserve.server.generation_worker import GenerationChannel
 
 log = logging.getLogger("trtserve.server")
 LOAD_TIMEOUT = 300.0
@@ -110,17 +117,18 @@ class Worker:
         self.index, self.engine_dir, self.device, self.threads = index, engine_dir, device, threads
         self.ranks = ranks  # a track-sharded engine's rank options: its backend runs processes of its own
         self.generation = generation  # continuous-batching options for decoder engines; None: embeddings
-        self.on_prefix = None  # decoders: (new prefix-cache queries, hits) as the worker reports them
+        # decoders: (new prefix-cache queries, hits) as the worker reports them
+        self.on_prefix: Callable[[int, int], None] | None = None
         self.deadline = deadline  # seconds one call (or one generation step) may take
         self.heartbeat_timeout = heartbeat  # seconds a worker process may go without a beat
-        self.channel = None  # GenerationChannel of a decoder worker
+        self.channel: GenerationChannel | None = None  # a decoder worker's
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trtserve-worker-{index}")
         self.outstanding = 0  # rows sent and not yet answered
         self.ready = False
         self.restarts = 0
         self.last_probe_ok = 0.0
-        self.conn = None
+        self.conn: Connection | None = None
 
     # -- how it runs: each kind's own -----------------------------------------------------------------
     @property
@@ -161,6 +169,7 @@ class Worker:
     def _open_channel(self) -> None:
         from trtserve.server.generation_worker import GenerationChannel
 
+        assert self.loop is not None  # the pool's, set before any worker loads
         self.channel = GenerationChannel(self.conn, self.loop)
         self.channel.on_prefix = self.on_prefix
 
@@ -299,6 +308,7 @@ class ProcessWorker(Worker):
             self.channel.stop_worker()
         if self.proc is None:
             return
+        assert self.conn is not None  # set with proc
         if self.channel is None:  # a decoder worker's pipe is written by its channel's thread only
             try:
                 self.conn.send(StopWorker())
@@ -346,6 +356,7 @@ class InProcessWorker(Worker):
         """The batcher on a thread of this process, over a local pipe."""
         from trtserve.server.generation_worker import generation_loop
 
+        assert self.generation is not None  # a decoder's
         parent, child = multiprocessing.Pipe()
         self.thread = threading.Thread(target=generation_loop, args=(child, self.text),
                                        kwargs={**self.generation, "batcher": batcher},
@@ -362,6 +373,7 @@ class InProcessWorker(Worker):
 
     def hung(self, why: str) -> bool:
         log.error("in-process generation loop: %s; starting a new one", why)
+        assert self.channel is not None  # the loop's, opened by start_loop
         self.channel.fail(Failure.WORKER_HUNG)
         self.kill_processes()  # a call waiting on them ends, and the new loop starts them afresh
         self.start_loop()
@@ -369,6 +381,7 @@ class InProcessWorker(Worker):
 
     def revive(self) -> bool:
         log.error("the in-process generation loop stopped; starting a new one")
+        assert self.channel is not None  # the loop's, opened by start_loop
         self.channel.fail(Failure.WORKER_DIED)
         self.start_loop()
         return True

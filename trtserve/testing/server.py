@@ -34,13 +34,13 @@ def launch(argv: list, port: int, env: dict | None = None, name: str = "server",
     # then blocks the server.
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    proc.log_path = Path(log.name)
+    proc.log_path = Path(log.name)  # type: ignore[attr-defined]  # for the caller, on the process it gets
     url = f"{'https' if verify else 'http'}://127.0.0.1:{port}"
     checked = ssl.create_default_context(cafile=str(verify)) if verify else True
     deadline = time.time() + wait
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"{name} exited: " + proc.log_path.read_text()[-3000:])
+            raise AssertionError(f"{name} exited: " + proc.log_path.read_text()[-3000:])  # type: ignore[attr-defined]
         try:
             if httpx.get(f"{url}/health", timeout=1, verify=checked).status_code == 200:
                 return proc, url

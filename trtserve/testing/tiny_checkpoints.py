@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 WINDOW = 6  # smaller than every test prompt, so that decode runs past it
 VOCAB = 49152  # the SmolLM2 tokenizer's size
@@ -14,7 +15,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               tie_word_embeddings=True)
 
 # family -> (config class, model class, config fields beyond COMMON)
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64})),
