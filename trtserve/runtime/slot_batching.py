@@ -11,13 +11,16 @@ else's). Scheduling of the waiting queue, sampling and finish rules are the Cont
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from trtserve.runtime.base import Backend, BackendLost, SlotBackend
+from trtserve.runtime.base import Backend, BackendLost
 from trtserve.runtime.batching import ContinuousBatcher, Sequence
 from trtserve.runtime.events import Event, failed
+
+if TYPE_CHECKING:  # a protocol for the checker only
+    from trtserve.runtime.base import SlotBackend
 
 
 def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, max_batched_tokens: int = 4096,
@@ -25,7 +28,7 @@ def make_batcher(backend: Backend, eos_ids: set[int], max_num_seqs: int = 16, ma
     """The slot batcher where the backend has sequence slots (a decode graph, a track engine's ranks), else
     the padded one."""
     if backend.abilities.kv_slots:
-        return SlotBatcher(cast(SlotBackend, backend), eos_ids, max_num_seqs, max_batched_tokens, pad_id,
+        return SlotBatcher(cast("SlotBackend", backend), eos_ids, max_num_seqs, max_batched_tokens, pad_id,
                            max_prefill_tokens)
     return ContinuousBatcher(backend, eos_ids, max_num_seqs, max_batched_tokens, pad_id, max_prefill_tokens)
 
