@@ -97,7 +97,9 @@ def test_build_code_digest_follows_the_builder_sources_only(tmp_path):
 @pytest.mark.parametrize(("change", "message"), [
     (lambda m: m.update(shapes={"batch": {"min": 1, "opt": 1}}), r"shapes\.batch\.max: Field required"),
     (lambda m: m.update(sharding={"tracks": 2}), "sharding: Extra inputs are not permitted"),
-    (lambda m: m["model"].update(kind=None), "model.kind: Input should be a valid string"),
+    (lambda m: m["model"].update(kind=None), "model.kind: Input should be 'decoder', 'encoder', 'scorer' or "
+                                             "'parallel_track'"),
+    (lambda m: m["model"].update(kind="embedder"), "model.kind: Input should be 'decoder', 'encoder'"),  # no such kind
 ])
 def test_a_manifest_off_the_schema_is_refused_naming_the_field_and_the_rebuild(tmp_path, change, message):
     path = make_engine(tmp_path / "e")

@@ -8,10 +8,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trtserve import __version__
 from trtserve.engine_builder import BACKENDS, PRECISIONS  # one list for build-engine and serve
 from trtserve.errors import TrtServeError
+
+if TYPE_CHECKING:
+    from trtserve.engine_dir.kinds import ModelKind
 
 
 def _build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -208,13 +212,14 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from trtserve.engine_dir.kinds import ModelKind
     from trtserve.runtime import load_backend
     from trtserve.runtime.text import TextEngine
 
     backend = load_backend(args.engine_dir, args.backend)
     engine = TextEngine(backend)
     texts = args.text or [_default_text(backend.engine.kind)]
-    if backend.engine.kind == "decoder":
+    if backend.engine.kind == ModelKind.DECODER:
         for text in texts:
             print(f"{text}{engine.complete(text, args.max_new_tokens)}")
     else:
@@ -234,11 +239,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_text(kind: str) -> str:
+def _default_text(kind: ModelKind) -> str:
     from trtserve.data.corpus import wiki_paragraphs
+    from trtserve.engine_dir.kinds import ModelKind
 
     first = wiki_paragraphs()[0]
-    return " ".join(first.split()[:40]) if kind == "decoder" else first
+    return " ".join(first.split()[:40]) if kind == ModelKind.DECODER else first
 
 
 def _serve_parser(sub) -> None:

@@ -14,14 +14,15 @@ from __future__ import annotations
 import sys
 
 from trtserve.deploy.options import RayOptions
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import TrtServeError
 from trtserve.server.config import ServerConfig
 
 APP_NAME = "trtserve"
 
 
-def model_kind(model: str) -> str:
-    """'encoder' or 'decoder', read without building anything."""
+def model_kind(model: str) -> ModelKind:
+    """The model's kind (an engine's or a checkpoint's), read without building anything."""
     from pathlib import Path
 
     from trtserve.engine_dir import MANIFEST, open_engine_dir
@@ -36,7 +37,7 @@ def model_kind(model: str) -> str:
     return resolve(model).info.kind
 
 
-def deployment_options(cfg: ServerConfig, kind: str, opts: RayOptions, gpus: float, cpus: float) -> dict:
+def deployment_options(cfg: ServerConfig, kind: ModelKind, opts: RayOptions, gpus: float, cpus: float) -> dict:
     """Ray Serve deployment options from our limits and the cluster's resources."""
     per_gpu = opts.num_gpus_per_replica if opts.num_gpus_per_replica is not None else (1.0 if gpus else 0.0)
     if per_gpu > 0 and gpus < per_gpu:
@@ -57,7 +58,7 @@ def deployment_options(cfg: ServerConfig, kind: str, opts: RayOptions, gpus: flo
         "graceful_shutdown_timeout_s": max(cfg.drain_timeout, 1.0),
     }
     if opts.replicas == 0:
-        busy = cfg.max_num_seqs if kind == "decoder" else cfg.max_batch  # one full batch per replica
+        busy = cfg.max_num_seqs if kind == ModelKind.DECODER else cfg.max_batch  # one full batch per replica
         options["autoscaling_config"] = {"min_replicas": 1, "max_replicas": opts.max_replicas or fit,
                                          "target_ongoing_requests": busy}
     else:
@@ -101,7 +102,7 @@ def run(models: list[str], precision: str, backend: str, cfg: ServerConfig, opts
 
         plan(cfg, named)
     kinds = [model_kind(p) for p in paths]
-    kind = "decoder" if "decoder" in kinds else kinds[0]  # a replica is busy when its decoder is
+    kind = ModelKind.DECODER if ModelKind.DECODER in kinds else kinds[0]  # a replica is busy when its decoder is
     ray.init(address=opts.ray_address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     resources = ray.cluster_resources()
     options = deployment_options(cfg, kind, opts, resources.get("GPU", 0.0), resources.get("CPU", 0.0))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trtserve import __version__, engine_dir
 from trtserve.engine_builder.tensorrt import TrtOptions
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.engine_dir.manifest import KvGraph
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, build_once, cache_root, check_writable_target
@@ -228,7 +229,7 @@ def _decode_graph_step(d: _Draft) -> dict:
     """A decoder's in-place decode graph (engine_builder/kv_graph.py), checked against the optimized graph."""
     from trtserve.engine_builder.onnxruntime import OPTIMIZED, map_weights, share_weights
 
-    if d.source.info.kind != "decoder":
+    if d.source.info.kind != ModelKind.DECODER:
         return {}
     from trtserve.engine_builder.kv_graph import build_kv
     from trtserve.memory import return_freed_memory
@@ -385,7 +386,7 @@ def _shape_ranges(source: ModelSource, max_batch: int, max_seq: int) -> dict:
         "batch": {"min": 1, "opt": 1, "max": max_batch},
         "sequence": {"min": 1, "opt": opt_seq, "max": max_seq},
     }
-    if source.info.kind == "decoder":
+    if source.info.kind == ModelKind.DECODER:
         ranges["past_sequence"] = {"min": 0, "opt": min(OPT_SEQ, max_seq - 1), "max": max_seq - 1}
         ranges["total_sequence"] = {"min": 1, "opt": opt_seq, "max": max_seq}
         ranges["logit_positions"] = {"min": 1, "opt": 1, "max": max_seq}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.models.sources import ModelSource
 from trtserve.models.wrappers import (
     ENCODER_OUTPUTS,
@@ -30,7 +31,7 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
     names)."""
     import torch
 
-    if source.info.kind in ("encoder", "scorer"):
+    if source.info.kind in (ModelKind.ENCODER, ModelKind.SCORER):
         module, args, names, outputs, shapes = _encoder_spec(source, model)
     else:
         _static_dynamic_rope(model)
@@ -49,7 +50,7 @@ def export_onnx(source: ModelSource, model, out: Path) -> tuple[list[str], list[
             verbose=False,
         )
     _release_rewriter_graphs()
-    _rename_dims(out, past_dims=source.info.kind == "decoder")
+    _rename_dims(out, past_dims=source.info.kind == ModelKind.DECODER)
     return names, list(outputs)
 
 
@@ -93,7 +94,7 @@ def _encoder_spec(source: ModelSource, model):
         args.append(torch.zeros(batch, seq, dtype=torch.int64))
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
     shapes = {name: dims for name in ["input_ids", "attention_mask", "token_type_ids"][: len(names)]}
-    outputs = SCORER_OUTPUTS if source.info.kind == "scorer" else ENCODER_OUTPUTS
+    outputs = SCORER_OUTPUTS if source.info.kind == ModelKind.SCORER else ENCODER_OUTPUTS
     return graph_for(model, source), tuple(args), names, outputs, shapes
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trtserve.engine_dir import EngineDir
+from trtserve.engine_dir.kinds import ModelKind
 
 
 def _mb(size: int) -> str:
@@ -75,13 +76,13 @@ def _openvino(entry) -> list[str]:
     return lines
 
 
-def _sampling(engine: EngineDir, kind: str) -> list[str]:
+def _sampling(engine: EngineDir, kind: ModelKind) -> list[str]:
     """A decoder's sampling defaults from its generation_config.json, which `serve` applies to what a request
     leaves out (--generation-config auto)."""
     from trtserve.errors import EngineDirError
     from trtserve.runtime.generation_defaults import generation_defaults
 
-    if kind != "decoder":
+    if kind != ModelKind.DECODER:
         return []
     try:
         found = generation_defaults(engine.path)
@@ -136,12 +137,12 @@ def _widened(report: dict) -> str:
     return f", widened because the gate missed with the {first} chosen on calibration text, where that mix measured "
 
 
-def _pooling(pooling, kind: str, labels: int | None = None) -> list[str]:
+def _pooling(pooling, kind: ModelKind, labels: int | None = None) -> list[str]:
     """An encoder's vector: its pooling modes, Dense modules and Normalize, and where they were read."""
-    if kind == "scorer":
+    if kind == ModelKind.SCORER:
         head = "one logit, scored as its sigmoid (raw_scores: the logit)" if labels == 1 else f"{labels} logits"
         return [f"scores      cross-encoder, {head}; pairs on /v1/rerank, /rerank and /v1/score"]
-    if kind != "encoder":
+    if kind != ModelKind.ENCODER:
         return []
     if pooling is None:
         return ["pooling     mean, normalized after the graph (an engine built before pooling was in the graph)"]

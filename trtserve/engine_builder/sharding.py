@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from trtserve import engine_dir
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import TrtServeError
 from trtserve.fileio import atomic_dir, check_writable_target
 from trtserve.models.parallel_track import TOKENIZER_FILES
@@ -151,7 +152,7 @@ def build_track_engines(checkpoint: Path, out: Path, precision: str = "fp32", ta
         files = {name: {"graph": name.replace(".onnx", ".ort.onnx"), "inputs": inputs, "outputs": outputs}
                  for name, (inputs, outputs) in graphs.items()}
         manifest = {
-            "model": {"id": Path(checkpoint).name, "kind": "parallel_track", "source": str(checkpoint),
+            "model": {"id": Path(checkpoint).name, "kind": ModelKind.PARALLEL_TRACK, "source": str(checkpoint),
                       "architecture": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers",
                                                                     "num_heads", "num_kv_heads", "head_dim",
                                                                     "intermediate_size", "max_positions")}},

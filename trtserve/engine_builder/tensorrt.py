@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.engine_dir.manifest import IO, Profile, Range, Shapes
 from trtserve.errors import TrtServeError
 from trtserve.fileio import sha256_file
@@ -32,13 +33,13 @@ class TrtOptions:
 PROMPT_LOGPROBS_BATCH = 4  # rows of the profile that returns every position's logits
 
 
-def profiles_for(kind: str, shapes: Shapes, io: IO) -> list[Profile]:
+def profiles_for(kind: ModelKind, shapes: Shapes, io: IO) -> list[Profile]:
     """Optimization profiles from the manifest's shape ranges: one for encoders; for decoders one
     for prefill (past 0 at opt) and one for single-token decode over a growing past, both with the
     logits of one position per row; and, for the prompt's logprobs, one whose rows (at most
     PROMPT_LOGPROBS_BATCH) return every position, so that the logits buffer is sized for that
     batch, not for the largest batch times the longest prompt."""
-    if kind in ("encoder", "scorer"):
+    if kind in (ModelKind.ENCODER, ModelKind.SCORER):
         plans = [("all", {"batch": shapes.batch, "sequence": shapes.sequence})]
     else:
         seq, past, total = shapes.sequence, shapes.past_sequence, shapes.total_sequence

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.engine_dir.manifest import FileEntry, Manifest
 from trtserve.errors import EngineDirError
 from trtserve.fileio import sha256_file
@@ -36,7 +37,7 @@ class EngineDir:
         object.__setattr__(self, "manifest", as_manifest(self.manifest))
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> ModelKind:
         return self.manifest.model.kind
 
     @property

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from trtserve.engine_dir.kinds import ModelKind
+
 Record = dict[str, Any]  # a measurement record: owned by the module that wrote it
 
 
@@ -66,7 +68,7 @@ class Architecture(Part):
     vocab_size: int
     max_positions: int
     family: str | None = None  # a checkpoint's family (models.family); None for parallel-track models
-    kind: str | None = None
+    kind: ModelKind | None = None  # the checkpoint's (models.family.ModelInfo.kind)
     model_type: str | None = None
     intermediate_size: int | None = None  # parallel-track models
     num_labels: int | None = None  # cross-encoders: the classification head's outputs
@@ -77,7 +79,7 @@ class Architecture(Part):
 
 class Model(Part):
     id: str
-    kind: str  # "encoder" | "decoder" | "scorer" | "parallel_track"
+    kind: ModelKind
     source: str  # what `trtserve fidelity` resolves again: a bundled name or a path
     architecture: Architecture
     source_path: str | None = None
@@ -294,7 +296,7 @@ class Manifest(Part):
     files: dict[str, FileEntry] = {}
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> ModelKind:
         return self.model.kind
 
     @property

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.eval.grid import INPUTS, Config, Grid
 from trtserve.graph_files import graph_bytes
 from trtserve.progress import say
@@ -197,7 +198,7 @@ class _Session:
             if config.backend != "torch" or config.input != "real" or config.model in done:
                 continue
             done.add(config.model)
-            if self._engine(config.model, "fp32").manifest.model.kind != "encoder":
+            if self._engine(config.model, "fp32").manifest.model.kind != ModelKind.ENCODER:
                 continue
             self.switch_to(config.model)
             engines = {}
@@ -329,12 +330,12 @@ def _latency(samples: list[float], config: Config) -> dict:
             "tokens_per_s": config.batch * config.sequence / (p50 / 1000)}
 
 
-def _fidelity(reference: np.ndarray, output: np.ndarray, kind: str) -> dict:
+def _fidelity(reference: np.ndarray, output: np.ndarray, kind: ModelKind) -> dict:
     from trtserve.precision.fidelity import compare, top1_agreement
 
     result = compare(reference, output)
     result["nonfinite_rate"] = result["nonfinite"] / max(output.size, 1)
-    if kind == "decoder":
+    if kind == ModelKind.DECODER:
         result["top1"] = top1_agreement(reference, output)
     return result
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import ModelSourceError
 from trtserve.models.families import BY_MODEL_TYPE
 
@@ -15,7 +16,7 @@ SUPPORTED = tuple(sorted(BY_MODEL_TYPE))  # the model types trtserve accepts
 @dataclass(frozen=True)
 class ModelInfo:
     family: str  # a module of models/families
-    kind: str  # "encoder" | "decoder" | "scorer" (an encoder with a sequence-classification head: a cross-encoder)
+    kind: ModelKind  # DECODER, ENCODER or SCORER (an encoder with a sequence-classification head: a cross-encoder)
     model_type: str
     num_layers: int
     hidden_size: int
@@ -24,7 +25,7 @@ class ModelInfo:
     head_dim: int
     vocab_size: int
     max_positions: int
-    num_labels: int | None = None  # cross-encoders (kind "scorer"): the classification head's outputs
+    num_labels: int | None = None  # cross-encoders (ModelKind.SCORER): the classification head's outputs
     sliding_windows: tuple[int | None, ...] | None = None  # per layer (None: full attention); None: no window
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -54,9 +55,9 @@ def detect(config: dict) -> ModelInfo:
     family = BY_MODEL_TYPE[model_type]
     family.check(config)
     kind, labels = family.kind, None
-    if kind == "encoder" and any(str(a).endswith("ForSequenceClassification")
-                                 for a in config.get("architectures") or ()):
-        kind = "scorer"  # a cross-encoder: a pair in, its classification head's logits out
+    if kind == ModelKind.ENCODER and any(str(a).endswith("ForSequenceClassification")
+                                         for a in config.get("architectures") or ()):
+        kind = ModelKind.SCORER  # a cross-encoder: a pair in, its classification head's logits out
         labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])

@@ -31,11 +31,12 @@ def load_torch_model(source: ModelSource, attention: str | None = None):
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from trtserve.engine_dir.kinds import ModelKind
     from trtserve.models import attention as attn
 
     impl = attention or attn.register()
-    cls = {"decoder": AutoModelForCausalLM,
-           "scorer": AutoModelForSequenceClassification}.get(source.info.kind, AutoModel)
+    cls = {ModelKind.DECODER: AutoModelForCausalLM,
+           ModelKind.SCORER: AutoModelForSequenceClassification}.get(source.info.kind, AutoModel)
     try:
         model = _streamed(cls, source, impl) or cls.from_pretrained(source.path, dtype=torch.float32,
                                                                     attn_implementation=impl)

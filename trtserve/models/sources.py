@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import ModelSourceError
 from trtserve.fileio import cache_root, sha256_files
 from trtserve.models.family import ModelInfo, detect, read_config
@@ -145,11 +146,11 @@ def resolve(model: str) -> ModelSource:
     _check_weights(path)
     _check_tokenizer(path)
     ref = model if (model in BUNDLED or is_hub_id(model)) else str(gguf or path.absolute())
-    if info.kind == "decoder" and (path / "modules.json").is_file():
+    if info.kind == ModelKind.DECODER and (path / "modules.json").is_file():
         # a decoder checkpoint that sentence-transformers uses as an embedder (Qwen3-Embedding: last-token
         # pooling): served as an encoder with causal attention
-        info = replace(info, kind="encoder")
-    pooling = read_pooling(path) if info.kind == "encoder" else None
+        info = replace(info, kind=ModelKind.ENCODER)
+    pooling = read_pooling(path) if info.kind == ModelKind.ENCODER else None
     return ModelSource(model_id=model_id(model), path=path.absolute(), info=info, config=config, gguf=gguf, ref=ref,
                        pooling=pooling)
 

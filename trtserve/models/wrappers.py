@@ -50,16 +50,17 @@ def graph_for(model, source):
     """The graph module of a checkpoint (models.sources.ModelSource) by its kind: a decoder's (its windows), a
     cross-encoder's, or an encoder's (its pooling and Dense weights, causal attention where its family is a
     decoder's). The exporter traces it; the torch backend runs it."""
+    from trtserve.engine_dir.kinds import ModelKind
     from trtserve.models.families import by_name
     from trtserve.models.pooling import load_dense
 
     kind = source.info.kind
-    if kind == "decoder":
+    if kind == ModelKind.DECODER:
         return decoder_graph(model, source.info)
-    if kind == "scorer":
+    if kind == ModelKind.SCORER:
         return scorer_graph(model)
     return encoder_graph(model, source.pooling, load_dense(source.path, source.pooling),
-                         causal=by_name(source.info.family).kind == "decoder")
+                         causal=by_name(source.info.family).kind == ModelKind.DECODER)
 
 
 def scorer_graph(model):

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.precision.fidelity import Tally, compare, next_token_nll, top1_agreement
 from trtserve.runtime import generate
 from trtserve.runtime.base import Backend
@@ -61,19 +62,19 @@ class Target:
                    min_random_token_cosine=0.9999)
 
     @classmethod
-    def for_weights(cls, weights: str, kind: str) -> Target:
+    def for_weights(cls, weights: str, kind: ModelKind) -> Target:
         """The default target of a policy by its weight format: decoders are judged by top-1 agreement and
         perplexity (logit cosines only guard against garbage), encoders by their embeddings' cosines."""
         if weights == "int8":
             return cls(min_cosine=0.9995, min_token_cosine=0.999, min_mean_cosine=0.9995, min_neighbours=0.95,
-                       max_flips=1) if kind != "decoder" else \
+                       max_flips=1) if kind != ModelKind.DECODER else \
                 cls(min_cosine=0.995, min_token_cosine=0.95, min_top1=0.99, max_ppl_delta=0.01)
         if weights == "int4":
-            return cls(min_cosine=0.999, min_token_cosine=0.995) if kind != "decoder" else \
+            return cls(min_cosine=0.999, min_token_cosine=0.995) if kind != ModelKind.DECODER else \
                 cls(min_cosine=0.98, min_token_cosine=0.8, min_top1=0.97, max_ppl_delta=0.03)
         # fp16 weights: decoders' top-1 as int8's (hybrid flips 0.6% of near-ties at batch 8 x 128 under
         # fp16 emulation), perplexity and cosines stricter
-        return cls(min_top1=FP16_TOP1) if weights == "float" and kind == "decoder" else cls()
+        return cls(min_top1=FP16_TOP1) if weights == "float" and kind == ModelKind.DECODER else cls()
 
     @classmethod
     def parse(cls, text: str) -> Target:
@@ -210,7 +211,7 @@ def encoder_report(backend: Backend, ref_model, tokenizer, lengths, corpus: Corp
                    grid=()) -> dict:
     """Encoders: token states and the pooled vector; scorers (cross-encoders): the head's logits, and the
     ranking of real sentences against queries."""
-    scorer = backend.engine.manifest.model.kind == "scorer"
+    scorer = backend.engine.manifest.model.kind == ModelKind.SCORER
     case = _scorer_case if scorer else _vector_case
     cases = {}
     for length in lengths:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.graph_files import graph_on_disk
 from trtserve.precision.overflow import activation_ranges, flagged
 from trtserve.precision.policy import Policy
@@ -19,12 +20,12 @@ from trtserve.precision.policy import Policy
 DIVERGED_BELOW = 0.99
 
 
-def probe_feeds(kind: str, ids: np.ndarray, input_names: list[str], past_shape=None) -> dict:
+def probe_feeds(kind: ModelKind, ids: np.ndarray, input_names: list[str], past_shape=None) -> dict:
     mask = np.ones_like(ids)
     feeds = {"input_ids": ids, "attention_mask": mask}
     if "token_type_ids" in input_names:
         feeds["token_type_ids"] = np.zeros_like(ids)
-    if kind == "decoder":
+    if kind == ModelKind.DECODER:
         feeds["position_ids"] = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64).copy()
         feeds["logit_positions"] = np.arange(ids.shape[1], dtype=np.int64)
         heads, dim = past_shape
@@ -36,14 +37,14 @@ def probe_feeds(kind: str, ids: np.ndarray, input_names: list[str], past_shape=N
 
 def _token_rows(kind, source, tokenizer, corpus, count, length, rng):
     if kind == "real":
-        return np.array(corpus.rows(tokenizer, count, length, special=source.info.kind != "decoder"), np.int64)
+        return np.array(corpus.rows(tokenizer, count, length, special=source.info.kind != ModelKind.DECODER), np.int64)
     special = set(tokenizer.all_special_ids)
     vocab = np.array([i for i in range(source.info.vocab_size) if i not in special])
     return rng.choice(vocab, size=(count, length)).astype(np.int64)
 
 
 def _output_name(source) -> str:
-    return "last_hidden_state" if source.info.kind == "encoder" else "logits"
+    return "last_hidden_state" if source.info.kind == ModelKind.ENCODER else "logits"
 
 
 def real_vs_random(source, model, policy: Policy, tokenizer, corpus, length: int = 128, batches: int = 4,

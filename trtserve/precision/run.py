@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.progress import say, step
 
 LENGTHS = (32, 128, 512)
@@ -51,7 +52,7 @@ class Harness:
         from trtserve.runtime.ort import OrtBackend
 
         lengths, grid = lengths or self.lengths, self.grid_shapes if wide else ()
-        if self.kind == "decoder":
+        if self.kind == ModelKind.DECODER:
             inputs = decoder_inputs(self.engine, self.tokenizer, lengths, self.corpus, wide, grid)
             prompt = decode_prompt(self.engine, self.tokenizer, self.corpus) if decode else None
             self.references.prepare([(case.ids, case.mask) for case in inputs], prompt,
@@ -64,7 +65,7 @@ class Harness:
                 path = Path(scratch) / "emulation.onnx"
                 save_graph(graph, path)
             measured = backend or OrtBackend(self.engine, graph=path, arena=False)
-            if self.kind == "decoder":
+            if self.kind == ModelKind.DECODER:
                 report = decoder_report(measured, self.references, inputs, prompt, self.corpus.name)
             else:  # encoders and scorers
                 report = encoder_report(measured, self.reference, self.tokenizer, lengths, self.corpus, wide=wide,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import TrtServeError
 from trtserve.precision.passes import find_patterns
 from trtserve.precision.policy import FP32_OPS, GEMM_OPS, Policy, get_policy
@@ -161,9 +162,9 @@ def search(fp32_model, harness, probe_length: int = 128) -> tuple[Policy, dict]:
     info_kind = harness.kind
     names = [v.name for v in fp32_model.graph.input]
     length = min(probe_length, max(harness.lengths))
-    rows = np.array(harness.corpus.rows(harness.tokenizer, 4, length, special=info_kind != "decoder"), np.int64)
+    rows = np.array(harness.corpus.rows(harness.tokenizer, 4, length, special=info_kind != ModelKind.DECODER), np.int64)
     past = None
-    if info_kind == "decoder":
+    if info_kind == ModelKind.DECODER:
         spec = next(v for v in fp32_model.graph.input if v.name.startswith("past_key_values."))
         dims = spec.type.tensor_type.shape.dim
         past = (dims[1].dim_value, dims[3].dim_value)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.precision.gguf_blocks import BLOCK
 from trtserve.precision.weight_quant import quantize_rows
 from trtserve.progress import say
@@ -51,7 +52,7 @@ class _Reference:
     """The torch model with its weights quantized as the forward pass reaches them, and its fp32 outputs on the
     calibration rows."""
 
-    def __init__(self, model, kind: str, rows: list[list[int]]):
+    def __init__(self, model, kind: ModelKind, rows: list[list[int]]):
         import torch
 
         self.model, self.kind = model, kind
@@ -69,9 +70,9 @@ class _Reference:
 
         with torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids))
-            if self.kind == "decoder":
+            if self.kind == ModelKind.DECODER:
                 return torch.log_softmax(out.logits, -1)
-            if self.kind == "scorer":  # a cross-encoder: the batch's scores as one vector (B rows -> 1 x B)
+            if self.kind == ModelKind.SCORER:  # a cross-encoder: the batch's scores as one vector (B rows -> 1 x B)
                 return out.logits.double().T
             return out.last_hidden_state.double().mean(1)
 
@@ -135,7 +136,7 @@ class _Reference:
         finally:
             for handle in handles:
                 handle.remove()
-        if self.kind == "decoder":
+        if self.kind == ModelKind.DECODER:
             return decoder_effect(self.base, out, self.ids)
         cos = torch.nn.functional.cosine_similarity(self.base, out, dim=-1)
         return {"effect": float((1 - cos).mean()), "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
@@ -178,7 +179,7 @@ def meets(metrics: dict, target) -> bool:
 CACHE_VERSION = 4  # bump when the measurement changes
 
 
-def choose(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
+def choose(reference_model, kind: ModelKind, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
            cache_dir=None, reference=None) -> Choice:
     """choose_uncached(), kept on disk under `cache_dir` keyed by everything it depends on: the weights'
     bytes (their keys), the format, the target and the calibration rows."""
@@ -220,7 +221,7 @@ def widened(choice: Choice, kept: int) -> Choice:
     return Choice(formats, choice.sensitivity, choice.modules, choice.whole, max(kept, choice.kept), first)
 
 
-def choose_uncached(reference_model, kind: str, weights: dict, eight_bit: set, fmt: str, target,
+def choose_uncached(reference_model, kind: ModelKind, weights: dict, eight_bit: set, fmt: str, target,
                     rows: list[list[int]], reference=None) -> Choice:
     """`weights`: graph weight key -> its shape as rows (N, K), for the GEMMs and tables the policy may quantize;
     those in `eight_bit` (tables, the LM head) start in int8, the others in `fmt`. A weight whose input

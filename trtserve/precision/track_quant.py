@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.precision.sensitivity import (
     CALIBRATION_LENGTH,
     CALIBRATION_ROWS,
@@ -20,7 +21,7 @@ from trtserve.precision.sensitivity import (
     weight_key,
 )
 
-KIND = "parallel_track"  # the choice's cache key: apart from other checkpoints' choices
+KIND = ModelKind.PARALLEL_TRACK  # the choice's cache key: apart from other checkpoints' choices
 LENGTHS = (32, 128, 512)  # and the model's maximum
 ROWS = 4
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import TrtServeError
 from trtserve.fileio import cache_root, sha256_file
 from trtserve.graph_files import copy_graph, load_graph, save_graph
@@ -49,7 +50,7 @@ def check_precision(name: str, source=None, tracks: bool = False) -> None:
                             "converted from a .gguf file; give the .gguf file, or choose another --precision")
 
 
-def target_for(name: str, kind: str) -> Target:
+def target_for(name: str, kind: ModelKind) -> Target:
     """The target a policy's engines are held to unless --fidelity-target says otherwise: fp32 to parity, the
     others by their weight format (measure.Target.for_weights)."""
     policy = get_policy(name)
@@ -294,7 +295,7 @@ class _Measured(_Blocked):
         weights, eight_bit = candidates(load_graph(gate.fp32_graph, weights=False), gate.fp32_graph.parent)
         try:
             rows = gate.harness.corpus.rows(gate.harness.tokenizer, CALIBRATION_ROWS, CALIBRATION_LENGTH,
-                                            special=kind != "decoder")
+                                            special=kind != ModelKind.DECODER)
         except ValueError as exc:
             raise TrtServeError(f"--calibration: {exc}; the {self.policy.name} policy measures each weight's "
                                 f"sensitivity on {CALIBRATION_ROWS} rows of {CALIBRATION_LENGTH} tokens") from None
@@ -367,7 +368,7 @@ def track_choice(name: str, model, target: Target | None):
         return None
     from trtserve.precision.track_quant import choose_formats
 
-    target = target or target_for(name, "decoder")
+    target = target or target_for(name, ModelKind.DECODER)
     choice, low = choose_formats(model, name, target, cache_dir=cache_root() / "sensitivity")
     return choice, low, target
 

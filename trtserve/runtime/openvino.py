@@ -9,10 +9,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from trtserve.engine_dir import EngineDir
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import TrtServeError
 from trtserve.runtime.base import Abilities, available_cores, check_feeds, io_specs
 
-KINDS = ("encoder", "scorer")  # decoders: measured slower than ONNX Runtime (docs/benchmarks.md, OpenVINO)
+# decoders: measured slower than ONNX Runtime (docs/benchmarks.md, OpenVINO)
+KINDS = (ModelKind.ENCODER, ModelKind.SCORER)
 PRECISIONS = ("bf16", "f32")
 
 

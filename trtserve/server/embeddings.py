@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, Timeout
 from trtserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
@@ -20,7 +21,7 @@ log = logging.getLogger("trtserve.server")
 class EmbeddingService(Service):
     """Validation and tokenization here; the backend runs in the workers, fed by one batcher."""
 
-    kind = "encoder"  # make_service gives decoder engines to GenerationService
+    kind = ModelKind.ENCODER  # make_service gives decoder engines to GenerationService
 
     def __init__(self, cfg: ServerConfig, metrics=None):
         super().__init__(cfg, metrics)  # every worker verifies the engine's files

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.runtime.events import Event, Failure, FinishReason
 from trtserve.runtime.generation_defaults import RANGES, generation_defaults
 from trtserve.runtime.sampling import SamplingParams
@@ -68,7 +69,7 @@ class DecoderService(Service):
     """Requests to jobs and events to pieces, for every decoder engine; how sequences run (`submit`)
     is the specialisation's (GenerationService: workers running the continuous batcher)."""
 
-    kind = "decoder"
+    kind = ModelKind.DECODER  # parallel-track engines too
 
     max_seq: int  # prompt plus generated tokens a sequence may hold
     vocab: int  # token ids a prompt may use are [0, vocab)

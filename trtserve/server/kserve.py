@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from trtserve import __version__
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.server.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, Unavailable
 from trtserve.server.http import PROBE_EVERY, V2_PREFIX, serving, unless_disconnected, v2_error
 
@@ -123,10 +124,10 @@ async def infer(name: str, raw: Request, version: str | None = None):
     service = _engine(raw, name, version)
     body = _decoded(await raw.body(), raw.headers.get("content-encoding", ""), state.cfg.max_body_bytes)
     request, tensors = parse(body, raw.headers.get(HEADER_LENGTH))
-    if service.kind == "scorer":
+    if service.kind == ModelKind.SCORER:
         raise BadRequest(f"model `{name}` is a cross-encoder: it scores pairs on /v1/rerank, /rerank and /v1/score, "
                          "and does not serve KServe v2 `infer`")
-    if service.kind != "encoder":
+    if service.kind != ModelKind.ENCODER:
         raise BadRequest(f"model `{name}` is a decoder engine: it generates text on /v1/completions and "
                          "/v1/chat/completions, and does not serve KServe v2 `infer`")
     wanted = requested_outputs(request)
@@ -154,13 +155,13 @@ def metadata(name: str, service) -> dict:
         return [{"name": t.name, "datatype": V2_NAMES.get(t.dtype, t.dtype.upper()),
                  "shape": [d if isinstance(d, int) else -1 for d in t.shape]} for t in tensors]
 
-    if service.kind == "encoder":
+    if service.kind == ModelKind.ENCODER:
         io = service.manifest.io
         return {"name": name, "versions": [VERSION], "platform": platform,
                 "inputs": described(io.inputs), "outputs": described(io.outputs)}
     return {"name": name, "versions": [VERSION], "platform": platform, "inputs": [], "outputs": [],
             "parameters": {"kind": service.kind, "note": "pairs are scored on /v1/rerank, /rerank and /v1/score; "
-                           "infer is refused" if service.kind == "scorer" else "generation is served on "
+                           "infer is refused" if service.kind == ModelKind.SCORER else "generation is served on "
                            "/v1/completions and /v1/chat/completions; infer is refused"}}
 
 

@@ -7,6 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.requests import Request
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.server.errors import BadRequest, Unavailable
 from trtserve.server.http import PROBE_EVERY, error_response, key_matches, log, serving, unless_disconnected
 from trtserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ModelList
@@ -25,10 +26,10 @@ async def embeddings(request: EmbeddingRequest, raw: Request):
         log.info("ignoring unknown request fields: %s", sorted(request.model_extra))
     state = serving(raw)
     service = state.engines().get(request.model)
-    if service.kind == "decoder":
+    if service.kind == ModelKind.DECODER:
         raise BadRequest(f"`{service.model_id}` is a decoder engine: it serves /v1/completions and "
                          "/v1/chat/completions; embeddings need an encoder", param="model")
-    if service.kind == "scorer":
+    if service.kind == ModelKind.SCORER:
         raise BadRequest(f"`{service.model_id}` is a cross-encoder: it scores pairs on /v1/rerank, /rerank and "
                          "/v1/score; embeddings need an encoder", param="model")
     return await unless_disconnected(raw, service.embed(request), state.metrics)
@@ -82,8 +83,8 @@ def _generator(registry, request):
     if unknown:
         log.info("ignoring unknown request fields: %s", unknown)
     service = registry.get(request.model)
-    if getattr(service, "kind", "encoder") != "decoder":
-        routes = "/v1/rerank, /rerank and /v1/score" if service.kind == "scorer" else "/v1/embeddings"
+    if getattr(service, "kind", ModelKind.ENCODER) != ModelKind.DECODER:
+        routes = "/v1/rerank, /rerank and /v1/score" if service.kind == ModelKind.SCORER else "/v1/embeddings"
         raise BadRequest(f"`{service.model_id}` is an encoder engine: it serves {routes}, not generation",
                          param="model")
     return service

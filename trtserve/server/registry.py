@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import TrtServeError
 from trtserve.server.config import ServerConfig
 from trtserve.server.errors import BadRequest, ModelNotFound
@@ -104,11 +105,11 @@ def make_service(cfg: ServerConfig, metrics):
     manifest = open_engine_dir(cfg.engine_dir, verify=False).manifest
     check_tracks_option(cfg.engine_dir, manifest, cfg.tracks, cfg.workers)
     kind = manifest.model.kind
-    if kind in ("decoder", "parallel_track"):
+    if kind in (ModelKind.DECODER, ModelKind.PARALLEL_TRACK):
         from trtserve.server.generation import GenerationService
 
         return GenerationService(cfg, metrics)
-    if kind == "scorer":
+    if kind == ModelKind.SCORER:
         from trtserve.server.scoring import ScoreService
 
         return ScoreService(cfg, metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.requests import Request
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.server.errors import BadRequest
 from trtserve.server.http import log, serving, unless_disconnected
 from trtserve.server.protocol import RerankRequest, ScoreRequest
@@ -17,7 +18,7 @@ def _scorer(raw: Request, name: str | None, extra):
     if extra:
         log.info("ignoring unknown request fields: %s", sorted(extra))
     service = serving(raw).engines().get(name)
-    if service.kind != "scorer":
+    if service.kind != ModelKind.SCORER:
         raise BadRequest(f"`{service.model_id}` is not a cross-encoder (a *ForSequenceClassification checkpoint): "
                          "it does not score pairs", param="model")
     return service

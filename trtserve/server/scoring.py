@@ -10,6 +10,7 @@ from typing import cast
 
 import numpy as np
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.server.embeddings import EmbeddingService
 from trtserve.server.errors import BadRequest
 from trtserve.server.protocol import (
@@ -30,7 +31,7 @@ class ScoreService(EmbeddingService):
     """A cross-encoder engine: its logits are the head's (B, labels); a one-label model's score is the sigmoid
     of its logit unless raw scores are asked for."""
 
-    kind = "scorer"
+    kind = ModelKind.SCORER
 
     def __init__(self, cfg, metrics=None):
         super().__init__(cfg, metrics)

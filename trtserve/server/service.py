@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import ClassVar
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.server.config import ServerConfig, placement
 from trtserve.server.errors import ModelNotFound
 from trtserve.server.protocol import ModelCard, ModelList
@@ -18,7 +20,7 @@ log = logging.getLogger("trtserve.server")
 
 
 class Service:
-    kind = ""  # "encoder" | "decoder": the routes the app serves for it
+    kind: ClassVar[ModelKind]  # the routes the app serves for it: each specialisation sets it
 
     def __init__(self, cfg: ServerConfig, metrics=None, verify: bool = False):
         """`verify`: check the engine's files here (services whose worker processes do not)."""

@@ -14,6 +14,7 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.errors import ModelSourceError
 
 
@@ -29,7 +30,7 @@ def _no_caps(config: dict) -> tuple[float | None, float | None]:
 class Family:
     name: str
     model_types: tuple[str, ...]
-    kind: str  # "encoder" | "decoder"
+    kind: ModelKind  # ENCODER or DECODER (models.family.detect makes an encoder with a classification head a SCORER)
     norm: str = "rms"  # "rms": x / rms(x) * w; "rms(1+w)": x / rms(x) * (1 + w); "layer": LayerNorm
     norms_per_layer: int = 2  # before attention and feed-forward; Gemma also norms each block's output (4)
     biases: str = "none"  # which projections carry biases: "none", "qkv", "all"

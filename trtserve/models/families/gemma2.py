@@ -2,6 +2,7 @@
 attention scores and final logits soft-capped (tanh(x / cap) * cap), a sliding window on alternate layers,
 scores scaled by query_pre_attn_scalar ** -0.5."""
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.models.families import Family, layer_windows
 
 
@@ -14,6 +15,6 @@ def softcaps(config: dict) -> tuple[float | None, float | None]:
     return (float(attn) if attn else None), (float(final) if final else None)
 
 
-FAMILY = Family(name="gemma2", model_types=("gemma2",), kind="decoder", norm="rms(1+w)", norms_per_layer=4,
+FAMILY = Family(name="gemma2", model_types=("gemma2",), kind=ModelKind.DECODER, norm="rms(1+w)", norms_per_layer=4,
                 activation="gelu_tanh", embedding_scale=True, windows=_windows, softcaps=softcaps,
                 masks_by_layer_type=True)

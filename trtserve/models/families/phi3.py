@@ -4,7 +4,8 @@ from the short to the long factors inside the graph once a sequence passes origi
 as transformers does (the in-place decode graph cannot express the switch: such engines decode from the
 portable graph)."""
 
+from trtserve.engine_dir.kinds import ModelKind
 from trtserve.models.families import Family, every_layer
 
-FAMILY = Family(name="phi3", model_types=("phi3",), kind="decoder", fused=("qkv", "gate_up"), windows=every_layer,
-                rope_types=("default", "longrope"))
+FAMILY = Family(name="phi3", model_types=("phi3",), kind=ModelKind.DECODER, fused=("qkv", "gate_up"),
+                windows=every_layer, rope_types=("default", "longrope"))
