@@ -93,8 +93,10 @@ class _Reference:
                 finally:
                     module.weight = weight
                 total = errors.setdefault(key, [0.0, 0.0])
-                total[0] += float((again.double() - out.double()).square().sum())
-                total[1] += float(out.double().square().sum())
+                # in place and summed in float64: one temporary the size of the output (an LM head's is logits
+                # of every calibration position), not four in float64
+                total[0] += float(again.sub_(out).square_().sum(dtype=torch.float64))
+                total[1] += float(out.square().sum(dtype=torch.float64))
             return hook
 
         handles = [self.originals[key][1].register_forward_hook(measure(key, fmt), with_kwargs=True)
