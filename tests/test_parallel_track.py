@@ -302,6 +302,7 @@ def test_the_slot_batcher_drives_track_ranks_like_any_backend(trained, track_eng
     from trtserve.runtime import load_backend
     from trtserve.runtime.prefix_cache import PrefixCache
     from trtserve.runtime.sampling import SamplingParams
+    from trtserve.runtime.sharded import RunSlots
     from trtserve.runtime.slot_batching import SlotBatcher, make_batcher
 
     tok = Tokenizer.from_file(str(trained["pt"] / "tokenizer.json"))
@@ -315,9 +316,9 @@ def test_the_slot_batcher_drives_track_ranks_like_any_backend(trained, track_eng
         batcher.prefix_cache = PrefixCache(64 << 20)
         shared, call = [], backend.decoder.call
 
-        def counted(op, payload):  # how many sequences each forward over the ranks carried
-            shared.append(len(payload[1]) if op == "run" else 0)
-            return call(op, payload)
+        def counted(message):  # how many sequences each forward over the ranks carried
+            shared.append(len(message.keys) if isinstance(message, RunSlots) else 0)
+            return call(message)
 
         backend.decoder.call = counted
         for i, prompt in enumerate(prompts):  # one more than the slots: the last waits for a free one
