@@ -28,7 +28,10 @@ from trtserve.precision.weight_quant import quantize_rows
 from trtserve.progress import say
 
 CALIBRATION_ROWS, CALIBRATION_LENGTH = 4, 128  # the whole mix is checked on these
-RANKING_ROWS, RANKING_LENGTH = 2, 64  # where a model is ranked one forward per weight (track_quant): kept short
+RANKING_ROWS, RANKING_LENGTH = 2, 64  # where a model is ranked one forward per weight: kept short
+# Ranked one forward per weight (each weight's effect on the output) while weights x parameters stays under this,
+# as cheap as a few forward passes of a 0.1B model; above it, by each module's local error in one pass
+ONE_PASS_ABOVE = 1e10
 SAFER = {"int4": "int8", "int8": "fp32"}
 
 
@@ -64,6 +67,7 @@ class _Reference:
                 kind_ = "gemms" if isinstance(module, torch.nn.Linear) else "embeddings"
                 self.originals.setdefault(weight_key(kind_, weight.detach().numpy()), (name, module, weight))
         self.base = self._outputs(self.ids)
+        self.short_ids, self.short_base = self.ids[:RANKING_ROWS, :RANKING_LENGTH], None
 
     def _outputs(self, ids):
         import torch
@@ -110,10 +114,21 @@ class _Reference:
         # a module the pass never called: its quantization changes nothing
         return {key: measured.get(key, 0.0) for key, fmt in low.items() if fmt != "fp32" and key in self.originals}
 
-    def metrics(self, formats: dict) -> dict:
-        """The whole model's effect against fp32 with the weights of `formats` quantized: each module's weight is
-        swapped for its quantized values as its forward begins and restored as it ends."""
+    def effects(self, low: dict) -> dict:
+        """{key: the whole model's effect with the weight quantized to low[key] alone}, one forward per weight on
+        the short ranking rows: for models small enough that this costs little (ONE_PASS_ABOVE)."""
+        if self.short_base is None:
+            self.short_base = self._outputs(self.short_ids)
+        return {key: self.metrics({key: fmt}, short=True)["effect"] for key, fmt in low.items()
+                if fmt != "fp32" and key in self.originals}
+
+    def metrics(self, formats: dict, short: bool = False) -> dict:
+        """The whole model's effect against fp32 with the weights of `formats` quantized (on the short ranking
+        rows if `short`): each module's weight is swapped for its quantized values as its forward begins and
+        restored as it ends."""
         import torch
+
+        ids, base = (self.short_ids, self.short_base) if short else (self.ids, self.base)
 
         held = {}  # id(module) -> its own weight while the quantized one is in place
 
@@ -178,7 +193,7 @@ def meets(metrics: dict, target) -> bool:
     return metrics["worst_cosine"] >= target.min_token_cosine and metrics["mean_cosine"] >= target.min_cosine
 
 
-CACHE_VERSION = 4  # bump when the measurement changes
+CACHE_VERSION = 5  # bump when the measurement changes
 
 
 def choose(reference_model, kind: ModelKind, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
@@ -240,8 +255,13 @@ def choose_uncached(reference_model, kind: ModelKind, weights: dict, eight_bit: 
     low = {key: ("fp32" if shape[1] % BLOCK or key not in ref.originals else "int8" if key in eight_bit else fmt)
            for key, shape in weights.items()}
     started = time.perf_counter()
-    sensitivity = ref.ranking(low)
-    say(f"weights: {len(sensitivity)} ranked by their local error in one pass ({time.perf_counter() - started:.1f}s)")
+    ranked = [key for key, f in low.items() if f != "fp32"]
+    one_pass = getattr(ref, "effects", None) is None or \
+        sum(weights[key][0] * weights[key][1] for key in ranked) * len(ranked) > ONE_PASS_ABOVE
+    sensitivity = ref.ranking(low) if one_pass else ref.effects(low)
+    say(f"weights: {len(sensitivity)} ranked by " + ("their local error in one pass" if one_pass else
+                                                   "their effect on the output, one forward each")
+        + f" ({time.perf_counter() - started:.1f}s)")
 
     def mix(kept: int) -> dict:
         return mixed(low, sensitivity, kept)
