@@ -129,7 +129,7 @@ class _Reference:
         import torch
 
         ids, base = (self.short_ids, self.short_base) if short else (self.ids, self.base)
-
+        assert base is not None  # the short rows' outputs are computed before any short measurement (effects)
         held = {}  # id(module) -> its own weight while the quantized one is in place
 
         def swap(fmt: str):
@@ -149,13 +149,13 @@ class _Reference:
                     continue
                 module = self.originals[key][1]
                 handles += [module.register_forward_pre_hook(swap(fmt)), module.register_forward_hook(restore)]
-            out = self._outputs(self.ids)
+            out = self._outputs(ids)
         finally:
             for handle in handles:
                 handle.remove()
         if self.kind == ModelKind.DECODER:
-            return decoder_effect(self.base, out, self.ids)
-        cos = torch.nn.functional.cosine_similarity(self.base, out, dim=-1)
+            return decoder_effect(base, out, ids)
+        cos = torch.nn.functional.cosine_similarity(base, out, dim=-1)
         return {"effect": float((1 - cos).mean()), "mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
 
 
@@ -193,7 +193,7 @@ def meets(metrics: dict, target) -> bool:
     return metrics["worst_cosine"] >= target.min_token_cosine and metrics["mean_cosine"] >= target.min_cosine
 
 
-CACHE_VERSION = 5  # bump when the measurement changes
+CACHE_VERSION = 6  # bump when the measurement changes
 
 
 def choose(reference_model, kind: ModelKind, weights: dict, eight_bit: set, fmt: str, target, rows: list[list[int]],
